@@ -1,0 +1,29 @@
+# Every target works on a fresh machine: `venv` installs what the others need.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: venv test bench demo clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned to the CPU build that lies on the machine, so nothing pulls a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[torch,plots,test]'
+	touch $(STAMP)
+
+test: venv
+	$(BIN)/python -m pytest
+
+bench: venv
+	$(BIN)/kvtier bench --json out/bench.json
+
+demo: venv
+	$(BIN)/kvtier demo
+
+clean:
+	rm -rf $(VENV) out .pytest_cache
