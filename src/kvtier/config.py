@@ -1,0 +1,150 @@
+"""One config object, in vLLM's shape, validated with errors that name the field.
+
+A user of vLLM's native offloading switches by changing the connector name: `cpu_bytes_to_use`,
+`block_size`, `eviction_policy` and `secondary_tiers` mean what they mean there. TensorRT-LLM's names
+(`host_cache_size`, `secondary_offload_min_priority`) are accepted as aliases where the meaning is the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from kvtier.policies import POLICIES
+
+PolicyName = Literal[tuple(POLICIES)]  # type: ignore[valid-type]
+Priority = Annotated[int, Field(ge=0, le=100)]
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message names the field. The CLI turns it into exit code 2."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+class AdmissionConfig(_Strict):
+    """Who gets into a tier. Defaults admit everything."""
+
+    min_priority: Priority = 0
+    min_sightings: PositiveInt = 1  # 2 = "store on the second sighting"
+    max_write_bytes_per_s: PositiveInt | None = None  # transfer budget of the tier's write path
+
+
+class FsTierConfig(_Strict):
+    """Local disk: one file per block under `root_dir/<namespace>/<rank>/`."""
+
+    type: Literal["fs"]
+    root_dir: Path
+    max_bytes: PositiveInt
+    n_read_threads: PositiveInt = 8
+    n_write_threads: PositiveInt = 4
+    eviction_policy: PolicyName = "lru"
+    write_policy: Literal["write_back", "write_through"] = "write_back"
+    admission: AdmissionConfig = AdmissionConfig()
+    o_direct: bool = True
+
+    @field_validator("root_dir")
+    @classmethod
+    def _writable(cls, root: Path) -> Path:
+        """Fail at startup, not at the first eviction: create the directory and write a probe file in it."""
+        root = root.expanduser()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=root, prefix=".kvtier-probe-"):
+                pass
+        except OSError as exc:
+            raise ValueError(f"not a writable directory: {root} ({exc.strerror or exc})") from None
+        return root
+
+
+SecondaryTier = Annotated[FsTierConfig, Field(discriminator="type")]
+
+
+class KVTierConfig(_Strict):
+    cpu_bytes_to_use: PositiveInt = Field(validation_alias=AliasChoices("cpu_bytes_to_use", "host_cache_size"))
+    block_size: PositiveInt = 256  # tokens per kvtier block
+    engine_block_size: PositiveInt = 16  # tokens per engine block; block_size must be a multiple of it
+    eviction_policy: PolicyName = "lru"
+    secondary_offload_min_priority: Priority = 0  # blocks below this priority are not offloaded at all
+    admit_after_sightings: PositiveInt = 1
+    secondary_tiers: list[SecondaryTier] = []
+    queue_depth: PositiveInt = 64  # pending store jobs before stores are dropped (never blocking compute)
+    tenant_salt: str = ""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> KVTierConfig:
+        if self.block_size % self.engine_block_size:
+            raise ValueError(
+                f"block_size ({self.block_size}) must be a multiple of the engine's block size "
+                f"({self.engine_block_size})"
+            )
+        roots = [t.root_dir.resolve() for t in self.secondary_tiers if t.type == "fs"]
+        if len(set(roots)) != len(roots):
+            raise ValueError("two fs tiers share one root_dir")
+        return self
+
+    @property
+    def host_admission(self) -> AdmissionConfig:
+        return AdmissionConfig(
+            min_priority=self.secondary_offload_min_priority, min_sightings=self.admit_after_sightings
+        )
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part == "fs":
+            continue  # the discriminator's tag is not a field
+        else:
+            path += f".{part}" if path else str(part)
+    return path or "config"
+
+
+def parse_config(data: dict[str, Any] | str | os.PathLike[str]) -> KVTierConfig:
+    """Build a config from a dict, a JSON string or a JSON file; raise ConfigError naming the bad field."""
+    source = "config"
+    if isinstance(data, (str, os.PathLike)):
+        text = str(data)
+        if not text.lstrip().startswith("{"):
+            source = text
+            try:
+                text = Path(text).read_text()
+            except OSError as exc:
+                raise ConfigError(f"{source}: cannot read config file ({exc.strerror})") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{source}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
+    try:
+        return KVTierConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field = _field_path(err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "union_tag_invalid":
+                msg = f"unknown tier type {err.get('input', {}).get('type')!r}; known types: fs"
+            got = err.get("input")
+            shown = "" if isinstance(got, (dict, list)) or err["type"] == "missing" else f" (got {got!r})"
+            problems.append(f"{field}: {msg}{shown}")
+        raise ConfigError("invalid kvtier config: " + "; ".join(problems)) from None

@@ -1,0 +1,583 @@
+"""The directory: the metadata plane. Which key lives in which tier, in which state, and what to move.
+
+Pure Python and deterministic: no I/O, no torch, no threads of its own. The in-process cache, the vLLM
+connector's scheduler half and the simulator all drive this same class, so what is simulated is what runs.
+
+It hands out *plans*: chains of steps that the mover executes. Steps of one chain run in order (a victim is
+demoted out of a host slot before the new block is written into that slot); chains run in parallel. The mover
+reports each step back through `complete`, and only then does a copy become readable or a slot reusable.
+
+Invariants kept here (each has a test): every tier stays within its bytes; a pinned, writing or
+being-read copy is never evicted; a writing copy is never readable; a block whose parent is in no tier is
+dropped with all its descendants (no orphans); eviction prefers blocks whose loss orphans nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.admission import AdmissionRule
+from kvtier.policies import EvictionPolicy, make_policy
+from kvtier.policies.base import DEFAULT_PRIORITY
+
+CALLER = "caller"  # the engine or the user's tensors: source of stores, destination of loads
+LEAF_SCAN = 32  # how many evictable candidates to look past for one whose loss orphans nothing
+
+
+class State(enum.Enum):
+    WRITING = "writing"
+    READY = "ready"
+
+
+class Op(enum.Enum):
+    PUT = "put"  # caller -> tier
+    COPY = "copy"  # tier -> tier (demotion, promotion, write-through)
+    GET = "get"  # tier -> caller
+    DELETE = "delete"  # remove from an unslotted tier (a file, a shared-store key)
+
+
+class Status(enum.Enum):
+    OK = "ok"
+    FAILED = "failed"  # the destination could not be written (I/O error, skipped after a failed step)
+    SOURCE_LOST = "source_lost"  # the source was missing, corrupt or foreign: it is gone now
+
+
+@dataclass(slots=True)
+class Step:
+    op: Op
+    key: bytes
+    src: str
+    dst: str
+    src_slot: int | None = None
+    dst_slot: int | None = None
+    index: int = -1  # position in the caller's block list (PUT source, GET destination)
+    parent: bytes | None = None
+    needs_prev: bool = False  # skip (as FAILED) when the previous step of the chain failed
+    holds_src: bool = False  # the source copy is held (readers) until this step completes
+    accounted: bool = False  # a DELETE whose bytes are still counted against the tier until it runs
+
+
+@dataclass
+class Plan:
+    chains: list[list[Step]]
+    keys: list[bytes] = field(default_factory=list)  # loads: the prefix being loaded, pinned
+    sources: list[str] = field(default_factory=list)  # loads: the tier each block came from
+
+    @property
+    def steps(self) -> int:
+        return sum(len(c) for c in self.chains)
+
+
+@dataclass(slots=True)
+class Copy:
+    slot: int | None
+    state: State
+    readers: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    key: bytes
+    parent: bytes | None
+    priority: int
+    copies: dict[str, Copy] = field(default_factory=dict)
+    children: set[bytes] | None = None
+    pins: int = 0
+    seen: int = 1
+    doomed: bool = False
+
+
+@dataclass
+class TierSpec:
+    """How the directory sees a tier: bounded bytes, a fixed footprint per block, a policy, admission."""
+
+    name: str
+    capacity_bytes: int
+    block_bytes: int
+    slotted: bool = False  # fixed slots in one buffer (host) rather than named objects (files, keys)
+    policy: str = "lru"
+    admission: AdmissionRule = field(default_factory=AdmissionRule)
+    write_through: bool = False  # stored at once with the tier above, instead of on eviction from it
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes <= 0 or self.block_bytes <= 0:
+            raise ValueError(f"tier {self.name!r}: capacity_bytes and block_bytes must be > 0")
+        if self.capacity_bytes < self.block_bytes:
+            raise ValueError(
+                f"tier {self.name!r}: capacity {self.capacity_bytes} B holds no block of {self.block_bytes} B"
+            )
+
+
+class Tier:
+    """A tier's live accounting: bytes used (including deletes still pending), free slots, policy order."""
+
+    def __init__(self, spec: TierSpec, index: int) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.index = index
+        self.capacity_blocks = spec.capacity_bytes // spec.block_bytes
+        self.policy: EvictionPolicy = make_policy(spec.policy, self.capacity_blocks)
+        self.used_blocks = 0
+        self.free_slots = list(range(self.capacity_blocks - 1, -1, -1)) if spec.slotted else []
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_blocks * self.spec.block_bytes
+
+    @property
+    def full(self) -> bool:
+        return self.used_blocks >= self.capacity_blocks
+
+
+@dataclass
+class DirectoryStats:
+    """Plain counters: cheap on the hot path, exported to Prometheus at scrape time by `kvtier.metrics`."""
+
+    lookup_blocks: Counter = field(default_factory=Counter)  # source tier or "miss"
+    evictions: Counter = field(default_factory=Counter)  # (tier, reason)
+    admission_rejects: Counter = field(default_factory=Counter)  # (tier, reason)
+    stores_dropped: Counter = field(default_factory=Counter)  # reason
+    integrity_failures: Counter = field(default_factory=Counter)  # tier
+    planned_moves: Counter = field(default_factory=Counter)  # (src, dst)
+
+
+class NoRoom(Exception):
+    """Every block that could make room is pinned or in flight."""
+
+
+class Directory:
+    def __init__(
+        self,
+        tiers: Sequence[TierSpec],
+        clock: Callable[[], float] = time.monotonic,
+        record_events: bool = False,
+        sightings_capacity: int | None = None,
+    ) -> None:
+        if not tiers:
+            raise ValueError("a directory needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names) or CALLER in names:
+            raise ValueError(f"tier names must be unique and not {CALLER!r}: {names}")
+        self.tiers = [Tier(spec, i) for i, spec in enumerate(tiers)]
+        self.tier = {t.name: t for t in self.tiers}
+        self._order = names
+        self.clock = clock
+        self.stats = DirectoryStats()
+        self._blocks: dict[bytes, Block] = {}
+        self._retiring: dict[bytes, Block] = {}  # dropped, with a transfer still in flight
+        self._garbage: list[Step] = []  # deletes found outside a plan (cascades during completions)
+        cap = sightings_capacity or 4 * sum(t.capacity_blocks for t in self.tiers)
+        self._sightings: OrderedDict[bytes, int] = OrderedDict()
+        self._sightings_capacity = max(1024, cap)
+        self._events: list[tuple[str, bytes, str]] | None = [] if record_events else None
+
+    # ---------------------------------------------------------------- lookups
+
+    def lookup(self, keys: Sequence[bytes]) -> list[str]:
+        """The tier each block of the longest readable prefix would come from (fastest first). No side effects."""
+        found: list[str] = []
+        blocks, order, ready = self._blocks, self._order, State.READY
+        for key in keys:
+            block = blocks.get(key)
+            if block is None:
+                break
+            copies = block.copies
+            for name in order:
+                copy = copies.get(name)
+                if copy is not None and copy.state is ready:
+                    found.append(name)
+                    break
+            else:
+                break
+        return found
+
+    def record_lookup(self, sources: Sequence[str], total_blocks: int) -> None:
+        """Count a request's lookup result by source (hits per tier, the rest as misses)."""
+        counter = self.stats.lookup_blocks
+        for name in sources:
+            counter[name] += 1
+        counter["miss"] += total_blocks - len(sources)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def residency(self, key: bytes) -> dict[str, State]:
+        block = self._blocks.get(key)
+        return {} if block is None else {name: c.state for name, c in block.copies.items()}
+
+    # ---------------------------------------------------------------- loads
+
+    def plan_load(self, keys: Sequence[bytes]) -> Plan:
+        """Pin the readable prefix and plan its way to the caller; blocks in slower tiers are staged in the first."""
+        sources = self.lookup(keys)
+        first = self.tiers[0]
+        plan = Plan(chains=[], keys=list(keys[: len(sources)]), sources=sources)
+        for key in plan.keys:
+            self._blocks[key].pins += 1
+        promoted: list[Block] = []
+        for i, (key, source) in enumerate(zip(plan.keys, sources)):
+            block = self._blocks[key]
+            block.seen += 1
+            if source == first.name:
+                plan.chains.append([Step(Op.GET, key, first.name, CALLER, src_slot=block.copies[source].slot, index=i)])
+                continue
+            chain: list[Step] = []
+            try:
+                slot = self._allocate(first, chain, key)
+            except NoRoom:
+                self.stats.stores_dropped["no_space"] += 1
+                self.finish_load(Plan(chains=[], keys=plan.keys[i:]))  # unpin what we cannot stage
+                del plan.keys[i:], plan.sources[i:]
+                if chain:  # evictions planned before we ran out of room still have to happen
+                    plan.chains.append(chain)
+                break
+            src = block.copies[source]
+            block.copies[first.name] = Copy(slot, State.WRITING)
+            first.used_blocks += 1
+            chain.append(Step(Op.COPY, key, source, first.name, src.slot, slot, parent=block.parent))
+            chain.append(Step(Op.GET, key, first.name, CALLER, src_slot=slot, index=i, needs_prev=True))
+            self.stats.planned_moves[(source, first.name)] += 1
+            plan.chains.append(chain)
+            promoted.append(block)
+        for block in promoted:
+            first.policy.insert(block.key, block.priority)
+        self._touch_chain([self._blocks[k] for k in plan.keys if k in self._blocks])
+        return plan
+
+    def finish_load(self, plan: Plan) -> None:
+        """Unpin a load's prefix once the caller holds its bytes."""
+        for key in plan.keys:
+            block = self._blocks.get(key) or self._retiring.get(key)
+            if block is None:
+                continue
+            block.pins -= 1
+            if block.doomed:
+                self._release_idle(block)
+
+    # ---------------------------------------------------------------- stores
+
+    def plan_store(
+        self, keys: Sequence[bytes], parent: bytes | None = None, priority: int = DEFAULT_PRIORITY
+    ) -> Plan:
+        """Plan storing the blocks of one chain (`keys[i]`'s parent is `keys[i-1]`, the first's is `parent`).
+
+        Blocks already present are touched. The chain stops at the first block that is not admitted or finds
+        no room: storing its descendants would create orphans.
+        """
+        first = self.tiers[0]
+        through = [t for t in self.tiers[1:] if t.spec.write_through]
+        plan = Plan(chains=[])
+        chain_blocks: list[Block] = []
+        new: set[bytes] = set()
+        held: list[Block] = []  # the chain's existing blocks stay put while we make room for the new ones
+        if parent is not None and (parent_block := self._blocks.get(parent)) is not None:
+            held.append(parent_block)
+            parent_block.pins += 1
+        parent_key = parent
+        for i, key in enumerate(keys):
+            block = self._blocks.get(key)
+            if block is not None:
+                block.seen += 1
+                chain_blocks.append(block)
+                held.append(block)
+                block.pins += 1
+                parent_key = key
+                continue
+            reason = self._store_refusal(key, parent_key, priority, first)
+            if reason is not None:
+                self.stats.stores_dropped[reason] += len(keys) - i
+                break
+            chain: list[Step] = []
+            try:
+                slot = self._allocate(first, chain, key)
+            except NoRoom:
+                self.stats.stores_dropped["no_space"] += len(keys) - i
+                if chain:
+                    plan.chains.append(chain)
+                break
+            if parent_key is not None and parent_key not in self._blocks:  # making room dropped the parent
+                first.free_slots.append(slot) if slot is not None else None
+                self.stats.stores_dropped["orphan"] += len(keys) - i
+                if chain:
+                    plan.chains.append(chain)
+                break
+            block = Block(key, parent_key, priority, seen=self._sightings.pop(key, 1))
+            block.copies[first.name] = Copy(slot, State.WRITING)
+            first.used_blocks += 1
+            self._link(block)
+            chain.append(Step(Op.PUT, key, CALLER, first.name, dst_slot=slot, index=i, parent=parent_key))
+            self.stats.planned_moves[(CALLER, first.name)] += 1
+            for tier in through:
+                self._copy_down(block, first, tier, chain, needs_prev=True)
+            plan.chains.append(chain)
+            chain_blocks.append(block)
+            new.add(key)
+            parent_key = key
+        self.finish_load(Plan(chains=[], keys=[b.key for b in held]))
+        for block in reversed(chain_blocks):  # leaf first: ancestors end up more recent than descendants
+            for name, copy in block.copies.items():
+                policy = self.tier[name].policy
+                if block.key in new:
+                    policy.insert(block.key, priority)
+                elif copy.state is State.READY and block.key in policy:
+                    policy.touch(block.key)
+        return plan
+
+    def _store_refusal(self, key: bytes, parent_key: bytes | None, priority: int, first: Tier) -> str | None:
+        if key in self._retiring:
+            return "retiring"
+        if parent_key is not None and parent_key not in self._blocks:
+            return "orphan"
+        seen = self._sightings.get(key, 0) + 1
+        self._sightings[key] = seen
+        self._sightings.move_to_end(key)
+        if len(self._sightings) > self._sightings_capacity:
+            self._sightings.popitem(last=False)
+        reason = first.spec.admission.reject_reason(priority, seen, first.spec.block_bytes, self.clock())
+        if reason is not None:
+            self.stats.admission_rejects[(first.name, reason)] += 1
+            return "admission"
+        return None
+
+    def _copy_down(
+        self, block: Block, src: Tier, dst: Tier, chain: list[Step], src_slot: int | None = None,
+        needs_prev: bool = False,
+    ) -> bool:
+        """Plan a copy of `block` from `src` into `dst`, if admitted and room is found.
+
+        Write-through: the source copy stays resident and is held (readers) until the copy completes.
+        Demotion: the source copy has already left the directory; `src_slot` is where its bytes still are.
+        """
+        reason = dst.spec.admission.reject_reason(block.priority, block.seen, dst.spec.block_bytes, self.clock())
+        if reason is not None:
+            self.stats.admission_rejects[(dst.name, reason)] += 1
+            return False
+        try:
+            room = self._allocate(dst, chain, block.key)
+        except NoRoom:
+            self.stats.stores_dropped["no_space"] += 1
+            return False
+        if block.key not in self._blocks:  # making room in dst dropped an ancestor, and with it this block
+            if room is not None:
+                dst.free_slots.append(room)
+            return False
+        src_copy = block.copies.get(src.name)
+        holds = src_copy is not None
+        if holds:
+            src_copy.readers += 1
+            src_slot = src_copy.slot
+        block.copies[dst.name] = Copy(room, State.WRITING)
+        dst.used_blocks += 1
+        dst.policy.insert(block.key, block.priority)
+        chain.append(
+            Step(Op.COPY, block.key, src.name, dst.name, src_slot, room, parent=block.parent,
+                 needs_prev=needs_prev, holds_src=holds)
+        )
+        self.stats.planned_moves[(src.name, dst.name)] += 1
+        return True
+
+    # ---------------------------------------------------------------- completions
+
+    def complete(self, step: Step, status: Status) -> None:
+        """The mover finished `step`. Only now does a copy become readable or a slot reusable."""
+        if step.op is Op.DELETE:
+            if step.accounted:
+                self.tier[step.src].used_blocks -= 1
+            return
+        block = self._blocks.get(step.key) or self._retiring.get(step.key)
+        if block is None:
+            return
+        if step.holds_src and (src := block.copies.get(step.src)) is not None:
+            src.readers -= 1
+        if status is Status.SOURCE_LOST and step.src != CALLER:
+            self.stats.integrity_failures[step.src] += 1
+            self._remove_copy(block, self.tier[step.src], already_deleted=True)
+        if step.op is Op.GET:
+            if not block.copies and not block.doomed:
+                self._drop(block)
+            return
+        dst = block.copies.get(step.dst)
+        if dst is not None and dst.state is State.WRITING:
+            if status is Status.OK and not block.doomed:
+                dst.state = State.READY
+                self._event("stored", block.key, step.dst)
+            else:
+                self._remove_copy(block, self.tier[step.dst], already_deleted=status is not Status.OK)
+        if block.doomed:
+            self._release_idle(block)
+        elif not block.copies:
+            self._drop(block)
+
+    def take_garbage(self) -> list[Step]:
+        """Deletes that became necessary outside a plan; the caller hands them to the mover."""
+        garbage, self._garbage = self._garbage, []
+        return garbage
+
+    def take_events(self) -> list[tuple[str, bytes, str]]:
+        events, self._events = (self._events or []), ([] if self._events is not None else None)
+        return events
+
+    # ---------------------------------------------------------------- restart recovery
+
+    def adopt(self, tier_name: str, blocks: Iterable[tuple[bytes, bytes | None]]) -> list[Step]:
+        """Take back blocks a restart found in a persistent tier (oldest first). Returns deletes for the rest:
+        orphans, blocks the directory already has there, and whatever exceeds the tier's capacity."""
+        tier = self.tier[tier_name]
+        deletes: list[Step] = []
+        found = list(blocks)
+        known = {key for key, _ in found} | set(self._blocks)
+        adopted: list[Block] = []
+        for key, parent in found:
+            if key in self._blocks and tier_name in self._blocks[key].copies:
+                continue
+            if parent is not None and parent not in known:
+                deletes.append(Step(Op.DELETE, key, tier_name, CALLER))
+                continue
+            block = self._blocks.get(key) or Block(key, parent, DEFAULT_PRIORITY)
+            block.copies[tier_name] = Copy(None, State.READY)
+            tier.used_blocks += 1
+            tier.policy.insert(key, block.priority)
+            if key not in self._blocks:
+                self._blocks[key] = block
+                adopted.append(block)
+        for block in adopted:
+            self._link(block)
+        for block in adopted:  # a parent that was on disk but not valid leaves orphans behind
+            if block.key in self._blocks and block.parent is not None and block.parent not in self._blocks:
+                self._drop(block)
+        while tier.used_blocks > tier.capacity_blocks:
+            victim = self._pick_victim(tier, None)
+            if victim is None:
+                break
+            self._evict(tier, victim, deletes, reason="capacity")
+        return deletes + self.take_garbage()
+
+    # ---------------------------------------------------------------- invariants, for metrics and tests
+
+    def orphans(self) -> int:
+        """Blocks whose parent is in no tier. Always 0 unless there is a bug."""
+        return sum(1 for b in self._blocks.values() if b.parent is not None and b.parent not in self._blocks)
+
+    def used_bytes(self, tier_name: str) -> int:
+        return self.tier[tier_name].used_bytes
+
+    def keys_in(self, tier_name: str, state: State | None = None) -> list[bytes]:
+        return [
+            b.key for b in self._blocks.values()
+            if tier_name in b.copies and (state is None or b.copies[tier_name].state is state)
+        ]
+
+    def pinned(self) -> list[bytes]:
+        return [b.key for b in self._blocks.values() if b.pins]
+
+    # ---------------------------------------------------------------- eviction
+
+    def _allocate(self, tier: Tier, chain: list[Step], incoming: bytes) -> int | None:
+        """Room for one block in `tier`, evicting as needed; the slot (slotted tiers) or None. Raises NoRoom."""
+        while tier.full:
+            victim = self._pick_victim(tier, incoming)
+            if victim is None:
+                raise NoRoom(tier.name)
+            self._evict(tier, victim, chain, reason="capacity")
+        if not tier.spec.slotted:
+            return None
+        return tier.free_slots.pop()  # LIFO: the victim's slot, reused only after its demotion step in `chain`
+
+    def _pick_victim(self, tier: Tier, incoming: bytes | None) -> Block | None:
+        """The policy's first evictable candidate, unless a few more on its list can go without orphaning."""
+        fallback: Block | None = None
+        looked = 0
+        has_lower = tier.index + 1 < len(self.tiers)
+        for key in tier.policy.candidates(incoming):
+            block = self._blocks[key]
+            copy = block.copies[tier.name]
+            if copy.state is not State.READY or copy.readers or block.pins:
+                continue
+            if has_lower or not block.children or len(block.copies) > 1:
+                return block
+            fallback = fallback or block
+            looked += 1
+            if looked > LEAF_SCAN:
+                break
+        return fallback
+
+    def _evict(self, tier: Tier, block: Block, chain: list[Step], reason: str) -> None:
+        """Take `block` out of `tier`: demote it to the next tier if admitted, else drop it (and its orphans)."""
+        copy = block.copies.pop(tier.name)
+        tier.policy.evicted(block.key)
+        self.stats.evictions[(tier.name, reason)] += 1
+        self._event("evicted", block.key, tier.name)
+        lower = self.tiers[tier.index + 1 :]
+        if lower and not any(t.name in block.copies for t in lower):
+            self._copy_down(block, tier, lower[0], chain, src_slot=copy.slot)
+        if tier.spec.slotted:
+            tier.free_slots.append(copy.slot)
+            tier.used_blocks -= 1
+        else:
+            chain.append(Step(Op.DELETE, block.key, tier.name, CALLER))  # its bytes go to the incoming block
+            tier.used_blocks -= 1
+        if not block.copies and block.key in self._blocks:
+            self._drop(block)
+
+    def _drop(self, block: Block) -> None:
+        """`block` is in no tier any more: it and every descendant leave the directory."""
+        stack = [block]
+        while stack:
+            b = stack.pop()
+            if self._blocks.pop(b.key, None) is None:
+                continue
+            self._event("removed", b.key, "")
+            if b.parent is not None and (parent := self._blocks.get(b.parent)) is not None and parent.children:
+                parent.children.discard(b.key)
+            if b.children:
+                stack.extend(self._blocks[k] for k in b.children if k in self._blocks)
+                b.children = None
+            b.doomed = True
+            for name in b.copies:  # in-flight copies stay counted, but are no longer candidates
+                self.tier[name].policy.remove(b.key)
+            self._retiring[b.key] = b
+            self._release_idle(b)
+
+    def _release_idle(self, block: Block) -> None:
+        """Free the copies of a dropped block that no transfer touches; it retires once none is left."""
+        for name in list(block.copies):
+            copy = block.copies[name]
+            if copy.state is State.READY and not copy.readers and not block.pins:
+                self._remove_copy(block, self.tier[name], already_deleted=False)
+        if not block.copies and not block.pins:
+            self._retiring.pop(block.key, None)
+
+    def _remove_copy(self, block: Block, tier: Tier, already_deleted: bool) -> None:
+        copy = block.copies.pop(tier.name)
+        tier.policy.remove(block.key)
+        if tier.spec.slotted:
+            tier.free_slots.append(copy.slot)
+            tier.used_blocks -= 1
+        elif already_deleted:
+            tier.used_blocks -= 1
+        else:  # the bytes stay counted until the file (or shared key) is really gone
+            self._garbage.append(Step(Op.DELETE, block.key, tier.name, CALLER, accounted=True))
+
+    def _link(self, block: Block) -> None:
+        self._blocks[block.key] = block
+        if block.parent is not None and (parent := self._blocks.get(block.parent)) is not None:
+            if parent.children is None:
+                parent.children = set()
+            parent.children.add(block.key)
+
+    def _touch_chain(self, blocks: Sequence[Block]) -> None:
+        for block in reversed(blocks):  # leaf first, so that ancestors stay more recent than descendants
+            for name, copy in block.copies.items():
+                if copy.state is State.READY:
+                    self.tier[name].policy.touch(block.key)
+
+    def _event(self, kind: str, key: bytes, tier: str) -> None:
+        if self._events is not None:
+            self._events.append((kind, key, tier))

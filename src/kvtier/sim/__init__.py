@@ -1,0 +1,1 @@
+"""Replay request sequences through the same directory the runtime uses, on a virtual clock."""

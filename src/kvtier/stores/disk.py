@@ -1,0 +1,421 @@
+"""The local disk tier: one file per block, `root/<namespace>/<rank>/<xx>/<key hex>.kv`.
+
+A file is a 4096-byte header (magic, format version, namespace, key, parent, payload length and checksum,
+header checksum) and then the payload padded to 4096, so O_DIRECT can move it straight from and into a
+HostSlab slot. Writes go to a temp file that is renamed into place, so readers never see half a block; a
+torn, flipped or foreign file is detected (and removed) instead of served. No fsync: after a crash a torn
+file is just a miss.
+
+We never follow a symlink under the root: every path is opened relative to a directory fd with O_NOFOLLOW,
+and a link found anywhere is foreign junk: the link itself is removed, never its target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import re
+import secrets
+import stat
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import xxhash
+
+from kvtier import FORMAT_VERSION
+from kvtier.stores.base import ReadStatus, RecoveredBlock
+from kvtier.stores.host import ALIGN, round_up
+
+MAGIC = b"KVTIER\x00\x01"
+MAX_KEY = 128  # bytes, for keys and parents alike
+HEADER_NBYTES = ALIGN
+_FIELDS = struct.Struct("<8sI16sH128sBH128sQQ")  # magic version ns key_len key has_parent parent_len parent len xxh
+_CHECK = struct.Struct("<Q")  # xxh3_64 of the fields above
+_LONG_KEY = 96  # longer keys get a hashed file name: 2 * 128 hex chars would pass NAME_MAX (255)
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_RD = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a planted FIFO cannot hang us
+_WR = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class Header(NamedTuple):
+    namespace: bytes | None  # None: a kvtier file of another format version
+    key: bytes
+    parent: bytes | None
+    payload_nbytes: int
+    payload_xxh3: int
+
+
+def file_name(key: bytes) -> str:
+    """`<key hex>.kv`, or `h<xxh3_128 hex>.kv` for keys too long for a file name (the header holds the key)."""
+    stem = key.hex() if len(key) <= _LONG_KEY else "h" + xxhash.xxh3_128_hexdigest(key)
+    return stem + ".kv"
+
+
+def _subdir(name: str) -> str:
+    return name[:2] if name[0] != "h" else name[1:3]
+
+
+def _buffer(t: torch.Tensor, nbytes: int, what: str) -> memoryview:
+    """A zero-copy byte view of a CPU uint8 tensor of exactly `nbytes`."""
+    if t.device.type != "cpu" or t.dtype != torch.uint8 or not t.is_contiguous() or t.numel() != nbytes:
+        raise ValueError(
+            f"{what} must be a contiguous CPU uint8 tensor of {nbytes} bytes, "
+            f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+        )
+    return memoryview(t.numpy()).cast("B")
+
+
+def _check_key(key: bytes, what: str = "key") -> None:
+    if not 0 < len(key) <= MAX_KEY:
+        raise ValueError(f"{what} must be 1..{MAX_KEY} bytes, got {len(key)}")
+
+
+def _aligned(t: torch.Tensor, nbytes: int) -> bool:
+    return t.data_ptr() % ALIGN == 0 and nbytes % ALIGN == 0
+
+
+def _transfer(fn, fd: int, bufs: list[memoryview], offset: int = 0) -> int:
+    """pwritev/preadv until every byte moved or EOF (a call moving 0); returns the count moved.
+
+    Loops because one call moves at most ~2 GiB; callers know the file size, so O_DIRECT never reads past EOF.
+    """
+    done, bufs = 0, [b for b in bufs if len(b)]
+    while bufs:
+        n = fn(fd, bufs, offset + done)
+        if n == 0:
+            break
+        done += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs.pop(0))
+        if n:
+            bufs[0] = bufs[0][n:]
+    return done
+
+
+class DiskStore:
+    """Blocks of one namespace and rank as files under `root_dir`; safe to drive from many threads."""
+
+    def __init__(
+        self, root_dir: str | Path, namespace: str, rank: int, payload_nbytes: int, o_direct: bool = True
+    ) -> None:
+        if not re.fullmatch(r"[0-9a-f]{32}", namespace):
+            raise ValueError(f"namespace must be 32 lowercase hex chars (Namespace.digest()), got {namespace!r}")
+        if rank < 0 or payload_nbytes <= 0:
+            raise ValueError(f"need rank >= 0 and payload_nbytes > 0, got {rank}, {payload_nbytes}")
+        self.root = Path(root_dir).resolve()  # resolved once; nothing below it is followed
+        self.namespace, self.rank, self.payload_nbytes = namespace, rank, payload_nbytes
+        self._ns = bytes.fromhex(namespace)
+        self.padded_nbytes = round_up(payload_nbytes)
+        self.direct = bool(o_direct and _DIRECT)  # becomes False if the file system refuses O_DIRECT
+        self._local = threading.local()
+        self.dir = self.root / namespace / str(rank)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.root, _DIR)
+        for part in (namespace, str(rank)):  # O_NOFOLLOW: a link in place of our directory is refused
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o700, dir_fd=fd)
+            try:
+                part_fd = os.open(part, _DIR, dir_fd=fd)
+            finally:
+                os.close(fd)
+            fd = part_fd
+        self._dir_fd: int | None = fd
+
+    @property
+    def footprint(self) -> int:
+        """Bytes one block occupies on disk: header + payload padded to 4096."""
+        return HEADER_NBYTES + self.padded_nbytes
+
+    def close(self) -> None:
+        """Release the directory fd; the files stay for the next start's scan()."""
+        fd, self._dir_fd = self._dir_fd, None
+        if fd is not None:
+            os.close(fd)
+
+    # -- per-thread aligned buffers (mmap is page-aligned) -----------------------------------------------
+
+    def _tls(self, name: str, nbytes: int) -> memoryview:
+        buf = getattr(self._local, name, None)
+        if buf is None:
+            buf = memoryview(mmap.mmap(-1, nbytes))
+            setattr(self._local, name, buf)
+        return buf
+
+    def _header_buf(self) -> memoryview:
+        return self._tls("header", HEADER_NBYTES)
+
+    def _bounce(self) -> memoryview:
+        """Header + padded payload, contiguous, for O_DIRECT when the caller's buffer is not aligned."""
+        return self._tls("bounce", self.footprint)
+
+    # -- paths ------------------------------------------------------------------------------------------
+
+    def _open_subdir(self, name: str, create: bool) -> int | None:
+        """fd of the block's subdirectory (None if missing); a symlink there is removed, never followed."""
+        if self._dir_fd is None:
+            raise ValueError("DiskStore is closed")
+        sub = _subdir(name)
+        try:
+            return os.open(sub, _DIR, dir_fd=self._dir_fd)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                os.unlink(sub, dir_fd=self._dir_fd)  # a link or a stray file where our directory belongs
+            elif e.errno != errno.ENOENT:
+                raise
+        if not create:
+            return None
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(sub, 0o700, dir_fd=self._dir_fd)
+        return os.open(sub, _DIR, dir_fd=self._dir_fd)
+
+    # -- header -----------------------------------------------------------------------------------------
+
+    def _pack_header(self, buf: memoryview, key: bytes, parent: bytes | None, payload_xxh: int) -> None:
+        p = parent or b""
+        fields = _FIELDS.pack(
+            MAGIC, FORMAT_VERSION, self._ns, len(key), key, parent is not None, len(p), p,
+            self.payload_nbytes, payload_xxh,
+        )  # fmt: skip
+        buf[: len(fields)] = fields
+        _CHECK.pack_into(buf, len(fields), xxhash.xxh3_64_intdigest(fields))
+        buf[len(fields) + _CHECK.size :] = bytes(HEADER_NBYTES - len(fields) - _CHECK.size)
+
+    @staticmethod
+    def _parse_header(buf: bytes | memoryview) -> Header | None:
+        """The header's fields, or None when torn or not a kvtier header.
+
+        A kvtier header of another format version is returned with namespace None (foreign, not corrupt).
+        """
+        if len(buf) < _FIELDS.size + _CHECK.size or bytes(buf[:8]) != MAGIC:
+            return None
+        magic, version, ns, klen, key, has_parent, plen, parent, length, xxh = _FIELDS.unpack_from(buf)
+        if version != FORMAT_VERSION:
+            return Header(None, b"", None, 0, 0)
+        (check,) = _CHECK.unpack_from(buf, _FIELDS.size)
+        if check != xxhash.xxh3_64_intdigest(buf[: _FIELDS.size]) or has_parent > 1:
+            return None
+        if not 0 < klen <= MAX_KEY or plen > MAX_KEY or (has_parent and plen == 0):
+            return None
+        return Header(ns, key[:klen], parent[:plen] if has_parent else None, length, xxh)
+
+    def _classify(self, header: Header | None, name: str, size: int) -> ReadStatus:
+        """OK when the header is ours, names this file and matches the file's size; headers only."""
+        if header is None:
+            return ReadStatus.CORRUPT
+        if header.namespace != self._ns or file_name(header.key) != name:
+            return ReadStatus.FOREIGN
+        if header.payload_nbytes != self.payload_nbytes or size != self.footprint:
+            return ReadStatus.CORRUPT
+        return ReadStatus.OK
+
+    # -- I/O ----------------------------------------------------------------------------------------------
+
+    def _open_file(self, name: str, flags: int, dir_fd: int) -> tuple[int, bool]:
+        """(fd, opened with O_DIRECT); on EINVAL for O_DIRECT drop to buffered I/O for the store's life."""
+        if self.direct:
+            try:
+                return os.open(name, flags | _DIRECT, 0o600, dir_fd=dir_fd), True
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct = False
+        return os.open(name, flags, 0o600, dir_fd=dir_fd), False
+
+    def write(self, key: bytes, parent: bytes | None, src: torch.Tensor) -> None:
+        """Store `src` (CPU uint8, payload_nbytes) as block `key`; atomic: temp file, then rename."""
+        _check_key(key)
+        if parent is not None:
+            _check_key(parent, "parent")
+        payload = _buffer(src, self.payload_nbytes, "src")
+        name = file_name(key)
+        sub = self._open_subdir(name, create=True)
+        assert sub is not None
+        tmp = f"{name[:-3]}.{secrets.token_hex(8)}.tmp"
+        try:
+            fd, direct = self._open_file(tmp, _WR, sub)
+            try:
+                header = self._header_buf()
+                self._pack_header(header, key, parent, xxhash.xxh3_64_intdigest(payload))
+                pad = memoryview(bytes(self.padded_nbytes - self.payload_nbytes))
+                if not direct or _aligned(src, self.payload_nbytes):
+                    bufs = [header, payload, pad]  # O_DIRECT straight from the caller's (slot) buffer
+                else:
+                    bounce = self._bounce()
+                    bounce[:HEADER_NBYTES] = header
+                    bounce[HEADER_NBYTES : HEADER_NBYTES + self.payload_nbytes] = payload
+                    bounce[HEADER_NBYTES + self.payload_nbytes :] = pad
+                    bufs = [bounce]
+                written = _transfer(os.pwritev, fd, bufs)
+                if written != self.footprint:
+                    raise OSError(errno.EIO, f"short write of {tmp}: {written} of {self.footprint} bytes")
+            finally:
+                os.close(fd)
+            os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=sub)
+            raise
+        finally:
+            os.close(sub)
+
+    def read(self, key: bytes, into: torch.Tensor) -> ReadStatus:
+        """Read block `key` into `into` (CPU uint8, payload_nbytes). Anything but OK leaves `into` undefined.
+
+        A CORRUPT or FOREIGN file is removed: it can never be served.
+        """
+        _check_key(key)
+        out = _buffer(into, self.payload_nbytes, "into")
+        name = file_name(key)
+        sub = self._open_subdir(name, create=False)
+        if sub is None:
+            return ReadStatus.MISSING
+        try:
+            try:
+                fd, direct = self._open_file(name, _RD, sub)
+            except FileNotFoundError:
+                return ReadStatus.MISSING
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+                self._remove(name, sub, None)  # a symlink where our block belongs: drop the link only
+                return ReadStatus.FOREIGN
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    status = ReadStatus.FOREIGN
+                elif st.st_size != self.footprint:  # header only, to tell foreign from torn
+                    status = self._classify(self._parse_header(self._read_header(fd, direct)), name, st.st_size)
+                else:
+                    status = self._read_verified(fd, direct, name, into, out)
+            finally:
+                os.close(fd)
+            if status.is_integrity_failure:
+                self._remove(name, sub, st)
+            return status
+        finally:
+            os.close(sub)
+
+    def _read_header(self, fd: int, direct: bool) -> memoryview:
+        """The first 4096 bytes (fewer if the file is shorter); one call, as O_DIRECT cannot resume past EOF."""
+        header = self._header_buf()
+        return header[: os.preadv(fd, [header], 0)] if direct else memoryview(os.pread(fd, HEADER_NBYTES, 0))
+
+    def _read_verified(self, fd: int, direct: bool, name: str, into: torch.Tensor, out: memoryview) -> ReadStatus:
+        """Read a file of the right size: header, then payload checksum; straight into `into` when we can."""
+        if direct and not _aligned(into, self.payload_nbytes):
+            bounce = self._bounce()
+            got, want = _transfer(os.preadv, fd, [bounce]), self.footprint
+            header, payload = bounce[:HEADER_NBYTES], bounce[HEADER_NBYTES : HEADER_NBYTES + self.payload_nbytes]
+        else:  # O_DIRECT into an aligned slot, or buffered (the padding is not read)
+            header, payload = self._header_buf(), out
+            got, want = _transfer(os.preadv, fd, [header, out]), HEADER_NBYTES + self.payload_nbytes
+        parsed = self._parse_header(header[: min(got, HEADER_NBYTES)])
+        status = self._classify(parsed, name, self.footprint)
+        if status is not ReadStatus.OK:
+            return status
+        if got != want or xxhash.xxh3_64_intdigest(payload) != parsed.payload_xxh3:
+            return ReadStatus.CORRUPT
+        if payload is not out:
+            out[:] = payload
+        return ReadStatus.OK
+
+    def _remove(self, name: str, dir_fd: int, expect: os.stat_result | None) -> bool:
+        """Unlink `name` itself (never a link's target); with `expect`, only if it is still that file."""
+        try:
+            if expect is not None:
+                now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if (now.st_dev, now.st_ino) != (expect.st_dev, expect.st_ino):
+                    return False  # replaced by a fresh write meanwhile: not ours to drop
+            os.unlink(name, dir_fd=dir_fd)
+            return True
+        except (FileNotFoundError, IsADirectoryError, PermissionError):
+            return False
+
+    def delete(self, key: bytes) -> bool:
+        """Remove block `key`; True if a file was removed, False if there was none."""
+        _check_key(key)
+        name = file_name(key)
+        sub = self._open_subdir(name, create=False)
+        if sub is None:
+            return False
+        try:
+            return self._remove(name, sub, None)
+        finally:
+            os.close(sub)
+
+    # -- restart ------------------------------------------------------------------------------------------
+
+    def _entries(self) -> Iterator[tuple[str | None, int, str, os.stat_result]]:
+        """(subdir, its fd, name, lstat) of every entry below our dir; top-level non-directories get subdir None."""
+        if self._dir_fd is None:
+            raise ValueError("DiskStore is closed")
+        with os.scandir(self._dir_fd) as it:
+            top = [(e.name, e.stat(follow_symlinks=False)) for e in it]
+        for sub_name, st in top:
+            if not stat.S_ISDIR(st.st_mode):
+                yield None, self._dir_fd, sub_name, st
+            elif re.fullmatch(r"[0-9a-f]{2}", sub_name):  # other directories are not ours to judge: left alone
+                sub = os.open(sub_name, _DIR, dir_fd=self._dir_fd)
+                try:
+                    with os.scandir(sub) as it:
+                        entries = [(e.name, e.stat(follow_symlinks=False)) for e in it]
+                    for name, est in entries:
+                        yield sub_name, sub, name, est
+                finally:
+                    os.close(sub)
+
+    def scan(self) -> tuple[list[RecoveredBlock], dict[str, int]]:
+        """Restart recovery: the valid blocks oldest first, and how many files were removed, by reason.
+
+        Removes temp files, symlinks (never their targets), and files whose header is torn or foreign or
+        disagrees with the file's size or name. Headers only: payloads are checked at read time, so a restart
+        over hundreds of GB stays fast. Run it before the first write: an in-flight temp file looks stray.
+        """
+        removed = {"temp": 0, "symlink": 0, "corrupt": 0, "foreign": 0}
+        blocks: list[RecoveredBlock] = []
+        for sub_name, sub, name, st in self._entries():
+            if stat.S_ISDIR(st.st_mode):
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                reason: str | None = "symlink"
+            elif sub_name is not None and stat.S_ISREG(st.st_mode) and name.endswith(".tmp"):
+                reason = "temp"
+            elif sub_name is None or not stat.S_ISREG(st.st_mode) or _subdir(name) != sub_name:
+                reason = "foreign"  # not a file, or not where its name would put it
+            else:
+                reason = self._scan_file(sub, name, st, blocks)
+            if reason and self._remove(name, sub, None):
+                removed[reason] += 1
+        blocks.sort(key=lambda b: (b.mtime_ns, b.key))
+        return blocks, removed
+
+    def _scan_file(self, sub: int, name: str, st: os.stat_result, out: list[RecoveredBlock]) -> str | None:
+        """Check one file's header and size: append it to `out` if valid, else return why it goes."""
+        try:
+            fd = os.open(name, _RD, dir_fd=sub)
+        except OSError as e:
+            return "symlink" if e.errno == errno.ELOOP else None
+        try:
+            header = self._parse_header(os.pread(fd, HEADER_NBYTES, 0))
+        finally:
+            os.close(fd)
+        status = self._classify(header, name, st.st_size)
+        if status is ReadStatus.OK and header is not None:
+            out.append(RecoveredBlock(key=header.key, parent=header.parent, mtime_ns=st.st_mtime_ns))
+            return None
+        return "foreign" if status is ReadStatus.FOREIGN else "corrupt"
+
+    def used_bytes(self) -> int:
+        """Our block and temp files x footprint: what the directory's capacity accounting should see."""
+        files = sum(
+            1 for sub_name, _, name, st in self._entries()
+            if sub_name is not None and stat.S_ISREG(st.st_mode) and name.endswith((".kv", ".tmp"))
+        )  # fmt: skip
+        return files * self.footprint
