@@ -141,7 +141,6 @@ class DirectoryStats:
     evictions: Counter = field(default_factory=Counter)  # (tier, reason)
     admission_rejects: Counter = field(default_factory=Counter)  # (tier, reason)
     stores_dropped: Counter = field(default_factory=Counter)  # reason
-    integrity_failures: Counter = field(default_factory=Counter)  # tier
     planned_moves: Counter = field(default_factory=Counter)  # (src, dst)
 
 
@@ -397,7 +396,6 @@ class Directory:
         if step.holds_src and (src := block.copies.get(step.src)) is not None:
             src.readers -= 1
         if status is Status.SOURCE_LOST and step.src != CALLER:
-            self.stats.integrity_failures[step.src] += 1
             self._remove_copy(block, self.tier[step.src], already_deleted=True)
         if step.op is Op.GET:
             if not block.copies and not block.doomed:

@@ -21,7 +21,7 @@ import secrets
 import stat
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -81,7 +81,7 @@ def _aligned(t: torch.Tensor, nbytes: int) -> bool:
     return t.data_ptr() % ALIGN == 0 and nbytes % ALIGN == 0
 
 
-def _transfer(fn, fd: int, bufs: list[memoryview], offset: int = 0) -> int:
+def _transfer(fn: Callable[[int, list[memoryview], int], int], fd: int, bufs: list[memoryview], offset: int = 0) -> int:
     """pwritev/preadv until every byte moved or EOF (a call moving 0); returns the count moved.
 
     Loops because one call moves at most ~2 GiB; callers know the file size, so O_DIRECT never reads past EOF.

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 ALIGN = 4096  # page size and the O_DIRECT alignment: every slot (and every disk block) starts on it
+_HOST_REGISTER_PORTABLE = 1  # pinned for every device's context, as torch's own _pin_memory_utils does
 
 
 def round_up(n: int, align: int = ALIGN) -> int:
@@ -84,7 +85,9 @@ class HostSlab:
             raise ValueError("pin=True needs CUDA, and torch.cuda.is_available() is False")
         try:
             cudart = torch.cuda.cudart()
-            torch.cuda.check_error(cudart.cudaHostRegister(self._buf.data_ptr(), self.nbytes, 0))
+            err = int(cudart.cudaHostRegister(self._buf.data_ptr(), self.nbytes, _HOST_REGISTER_PORTABLE))
+            if err != 0:
+                raise RuntimeError(f"cudaError {err}")
         except Exception as e:  # a driver refusing to lock this much memory, a CUDA-less build, ...
             if explicit:
                 raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed: {e}") from e
@@ -100,15 +103,15 @@ class HostSlab:
         if self.pinned:
             self.pinned = False
             try:
-                torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr()))
+                err = int(torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr()))
+                if err != 0:
+                    raise RuntimeError(f"cudaError {err}")
             except Exception as e:
                 warnings.warn(f"HostSlab: cudaHostUnregister failed: {e}", stacklevel=2)
-        mm, self._mmap = self._mmap, None
+        # Never mmap.close(): torch.frombuffer does not lock the export, so closing under a live slot view
+        # would leave it dangling (a segfault). The tensors keep the mmap alive; it unmaps with the last one.
+        self._mmap = None
         del self._buf, self._rows
-        try:
-            mm.close()
-        except BufferError:
-            pass  # a caller still holds a slot view; the mapping goes when that view does
 
     def __enter__(self) -> HostSlab:
         return self

@@ -1,0 +1,185 @@
+"""TieredCache: the in-process facade, directory + mover + stores, for torch tensors on any device.
+
+    cache = TieredCache(config, block_shape=(2, 8, 256, 128), dtype=torch.bfloat16)
+    cache.store(keys, blocks)          # returns at once; writes finish in the background
+    n = cache.lookup(keys)             # how many leading blocks a load would return
+    blocks = cache.load(keys)          # the readable prefix, on the device you ask for
+
+A block is one tensor of `block_shape` and `dtype`; its bytes are stored as they are (never converted), so a
+loaded block is bit-identical to the stored one. Tensors passed to `store` must not change until `flush()`
+(vLLM's connector holds its blocks the same way until the store completes).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvtier.admission import AdmissionRule
+from kvtier.config import AdmissionConfig, KVTierConfig
+from kvtier.directory import Directory, Op, Status, Step, TierSpec
+from kvtier.keys import Namespace
+from kvtier.metrics import Metrics
+from kvtier.mover import Mover, Store
+from kvtier.policies.base import DEFAULT_PRIORITY
+from kvtier.stores.disk import DiskStore
+from kvtier.stores.host import ALIGN, HostSlab
+
+HOST = "host"
+
+
+def _rule(admission: AdmissionConfig) -> AdmissionRule:
+    return AdmissionRule(admission.min_priority, admission.min_sightings, admission.max_write_bytes_per_s)
+
+
+class TieredCache:
+    def __init__(
+        self,
+        config: KVTierConfig,
+        block_shape: Sequence[int],
+        dtype: torch.dtype,
+        namespace: Namespace | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.block_shape = tuple(block_shape)
+        self.dtype = dtype
+        self.payload_nbytes = math.prod(self.block_shape) * dtype.itemsize
+        self.namespace = namespace or Namespace(
+            model="in-process", dtype=str(dtype).removeprefix("torch."), block_size=config.block_size,
+            kv_layout="x".join(map(str, self.block_shape)), rank=rank, world_size=world_size,
+            tenant_salt=config.tenant_salt,
+        )
+        slot_nbytes = -(-self.payload_nbytes // ALIGN) * ALIGN
+        host_slots = config.cpu_bytes_to_use // world_size // slot_nbytes  # cpu_bytes_to_use: all ranks together
+        if host_slots < 1:
+            raise ValueError(
+                f"cpu_bytes_to_use={config.cpu_bytes_to_use} holds no block of {slot_nbytes} B per rank"
+                f" (world size {world_size})"
+            )
+        self.stores: dict[str, Store] = {HOST: HostSlab(host_slots, self.payload_nbytes)}
+        specs = [TierSpec(HOST, host_slots * slot_nbytes, slot_nbytes, slotted=True,
+                          policy=config.eviction_policy, admission=_rule(config.host_admission))]
+        for i, tier in enumerate(config.secondary_tiers):
+            name = "disk" if i == 0 else f"disk{i}"
+            disk = DiskStore(tier.root_dir, self.namespace.digest(), rank, self.payload_nbytes, o_direct=tier.o_direct)
+            self.stores[name] = disk
+            specs.append(TierSpec(name, tier.max_bytes, disk.footprint, policy=tier.eviction_policy,
+                                  admission=_rule(tier.admission), write_through=tier.write_policy == "write_through"))
+        self._lock = threading.RLock()
+        self.directory = Directory(specs, clock=clock)
+        self.metrics = Metrics(self.directory, config.block_size, tier_enabled=lambda name: True)
+        threads = config.secondary_tiers[0] if config.secondary_tiers else None
+        self.mover = Mover(
+            self.stores, self._report, self.metrics,
+            n_read_threads=threads.n_read_threads if threads else 2,
+            n_write_threads=threads.n_write_threads if threads else 2,
+            queue_depth=config.queue_depth,
+        )
+        self._recover()
+
+    # ---------------------------------------------------------------- the API
+
+    def store(
+        self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor], parent: bytes | None = None,
+        priority: int = DEFAULT_PRIORITY,
+    ) -> int:
+        """Store a chain of blocks (`keys[i]` names `blocks[i]`); returns how many new blocks were accepted.
+
+        Never blocks on I/O: when the store queue is full the whole call is dropped and counted.
+        """
+        if len(keys) != len(blocks):
+            raise ValueError(f"store: {len(keys)} keys but {len(blocks)} blocks")
+        for block in blocks:
+            self._check(block)
+        if not self.mover.reserve_store():
+            self.metrics.count("stores_dropped", "queue_full", len(keys))
+            return 0
+        with self._lock:
+            plan = self.directory.plan_store(keys, parent=parent, priority=priority)
+        if not plan.chains:
+            self.mover.release_store()
+            return 0
+        self.mover.store(plan, list(blocks))
+        return sum(1 for chain in plan.chains for step in chain if step.op is Op.PUT)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Leading blocks readable now, from any tier. No side effects."""
+        with self._lock:
+            return len(self.directory.lookup(keys))
+
+    def load(self, keys: Sequence[bytes], device: torch.device | str | None = None) -> list[torch.Tensor]:
+        """The longest readable prefix of `keys`, as new tensors on `device` (default CPU).
+
+        A block that turns out corrupt or missing on its tier ends the prefix there: it is a miss, and it
+        is never returned.
+        """
+        with self._lock:
+            plan = self.directory.plan_load(keys)
+            self.directory.record_lookup(plan.sources, len(keys))
+        out = [torch.empty(self.block_shape, dtype=self.dtype, device=device or "cpu") for _ in plan.keys]
+        try:
+            ok = self.mover.load(plan, out)
+        finally:
+            with self._lock:
+                self.directory.finish_load(plan)
+                garbage = self.directory.take_garbage()
+            self.mover.delete(garbage)
+        usable = next((i for i, good in enumerate(ok) if not good), len(ok))
+        return out[:usable]
+
+    def flush(self) -> None:
+        """Wait for every store and delete in flight."""
+        self.mover.flush()
+
+    def close(self) -> None:
+        self.mover.close()
+        for store in self.stores.values():
+            store.close()
+
+    def __enter__(self) -> TieredCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return self.metrics.snapshot()
+
+    # ---------------------------------------------------------------- internals
+
+    def _check(self, block: torch.Tensor) -> None:
+        if tuple(block.shape) != self.block_shape or block.dtype != self.dtype:
+            raise ValueError(
+                f"block of shape {tuple(block.shape)} {block.dtype}; this cache holds {self.block_shape} {self.dtype}"
+            )
+
+    def _report(self, step: Step, status: Status) -> None:
+        """Mover threads land here after each step."""
+        with self._lock:
+            self.directory.complete(step, status)
+            garbage = self.directory.take_garbage()
+        self.mover.delete(garbage)
+
+    def _recover(self) -> None:
+        """A restart takes back every valid block a persistent tier still holds; the rest was removed by the scan."""
+        for name, store in self.stores.items():
+            if not isinstance(store, DiskStore):
+                continue
+            found, removed = store.scan()
+            for reason in ("corrupt", "foreign", "symlink"):
+                if removed.get(reason):
+                    self.metrics.count("integrity_failures", name, removed[reason])
+            with self._lock:
+                deletes = self.directory.adopt(name, [(b.key, b.parent) for b in found])
+            for step in deletes:
+                store.delete(step.key)
+                with self._lock:
+                    self.directory.complete(step, Status.OK)
