@@ -1,0 +1,37 @@
+"""Shared fixtures: real files in a temp dir, small block shapes, configs built the way users write them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.config import parse_config
+
+SHAPE = (2, 2, 4, 16, 64)  # layers, K/V, heads, tokens, head dim: 16 KiB in bf16, 32 KiB in fp32
+
+
+@pytest.fixture
+def shape() -> tuple[int, ...]:
+    return SHAPE
+
+
+def make_config(tmp_path, host_blocks: int, disk_blocks: int | None = None, dtype=torch.bfloat16, **disk_extra):
+    block = 1
+    for d in SHAPE:
+        block *= d
+    block *= dtype.itemsize
+    data = {"cpu_bytes_to_use": host_blocks * block, "block_size": 16}
+    if disk_blocks is not None:
+        data["secondary_tiers"] = [
+            {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": disk_blocks * (block + 4096), **disk_extra}
+        ]
+    return parse_config(data)
+
+
+def random_blocks(n: int, dtype=torch.bfloat16, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(SHAPE, generator=gen).to(dtype) for _ in range(n)]
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))

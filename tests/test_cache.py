@@ -1,0 +1,175 @@
+"""TieredCache end to end on real files: exact round trips, demotion, restart, faults, back-pressure, metrics."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.cache import TieredCache
+from kvtier.keys import chain_keys
+from tests.conftest import SHAPE, make_config, random_blocks, same_bytes
+
+
+def keys_for(n: int, salt: int = 0) -> list[bytes]:
+    return chain_keys([salt * 100_000 + i for i in range(16 * n)], 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_host_round_trip_is_bit_identical(tmp_path, dtype):
+    with TieredCache(make_config(tmp_path, 16, dtype=dtype), SHAPE, dtype) as cache:
+        keys, blocks = keys_for(8), random_blocks(8, dtype)
+        assert cache.store(keys, blocks) == 8
+        cache.flush()
+        got = cache.load(keys)
+        assert len(got) == 8 and all(same_bytes(a, b) for a, b in zip(got, blocks))
+        assert cache.snapshot()["lookup_tokens"] == {"host": 8 * 16, "miss": 0}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_disk_round_trip_through_demotion_is_bit_identical(tmp_path, dtype):
+    with TieredCache(make_config(tmp_path, 4, 32, dtype=dtype), SHAPE, dtype) as cache:
+        keys, blocks = keys_for(12), random_blocks(12, dtype, seed=1)
+        for i in range(0, 12, 3):  # the host holds 4: older blocks are demoted to disk as we go
+            cache.store(keys[i : i + 3], blocks[i : i + 3], parent=keys[i - 1] if i else None)
+            cache.flush()
+        snap = cache.snapshot()
+        assert snap["moves"]["host->disk"] >= 8
+        assert cache.lookup(keys) == 12
+        got = cache.load(keys[:3])  # comes from disk, staged through host
+        assert len(got) == 3 and all(same_bytes(a, b) for a, b in zip(got, blocks))
+        assert cache.snapshot()["moves"].get("disk->host", 0) >= 1
+
+
+def test_restart_recovers_every_valid_block(tmp_path):
+    config = make_config(tmp_path, 16, 32, write_policy="write_through")
+    keys, blocks = keys_for(10), random_blocks(10, seed=2)
+    with TieredCache(config, SHAPE, torch.bfloat16) as cache:
+        cache.store(keys, blocks)
+        cache.flush()
+    with TieredCache(config, SHAPE, torch.bfloat16) as cache:
+        assert cache.lookup(keys) == 10
+        assert cache.directory.residency(keys[0]) == {"disk": cache.directory.residency(keys[0])["disk"]}
+        got = cache.load(keys)
+        assert len(got) == 10 and all(same_bytes(a, b) for a, b in zip(got, blocks))
+
+
+def _block_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.kv") if p.is_file())
+
+
+def _file_of(cache: TieredCache, key: bytes) -> Path:
+    from kvtier.stores.disk import file_name
+
+    name = file_name(key)
+    return next(p for p in _block_files(cache.stores["disk"].root) if p.name == name)
+
+
+def test_flipped_payload_byte_is_a_miss_and_counted(tmp_path):
+    config = make_config(tmp_path, 16, 32, write_policy="write_through")
+    keys, blocks = keys_for(6), random_blocks(6, seed=3)
+    with TieredCache(config, SHAPE, torch.bfloat16) as cache:
+        cache.store(keys, blocks)
+        cache.flush()
+    with TieredCache(config, SHAPE, torch.bfloat16) as cache:  # host empty: every hit comes from disk
+        path = _file_of(cache, keys[3])
+        with open(path, "r+b") as f:
+            f.seek(4096 + 100)
+            byte = f.read(1)
+            f.seek(4096 + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        got = cache.load(keys)
+        assert len(got) == 3  # the prefix stops at the corrupt block: never served
+        assert all(same_bytes(a, b) for a, b in zip(got, blocks))
+        cache.flush()
+        snap = cache.snapshot()
+        assert snap["integrity_failures"] == {"disk": 1}
+        assert cache.lookup(keys) == 3 and snap["orphan_blocks"] == 0
+        assert cache.lookup(keys[:3]) == 3  # the rest of the cache is unharmed
+
+
+def test_restart_scan_removes_torn_foreign_temp_and_symlinks(tmp_path):
+    config = make_config(tmp_path, 16, 32, write_policy="write_through")
+    keys, blocks = keys_for(4), random_blocks(4, seed=4)
+    other_keys = keys_for(2, salt=7)
+    with TieredCache(config, SHAPE, torch.bfloat16) as cache:
+        cache.store(keys, blocks)
+        cache.store(other_keys, random_blocks(2, seed=5))
+        cache.flush()
+        root = cache.stores["disk"].root
+        leaf = _file_of(cache, other_keys[1])
+        torn = _file_of(cache, other_keys[0])
+    os.truncate(torn, 5000)  # a torn write
+    (leaf.parent / "stray.0123.tmp").write_bytes(b"half a block")
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not yours")
+    os.symlink(outside, leaf.parent / "ffff.kv")
+    with TieredCache(config, SHAPE, torch.bfloat16) as cache:
+        assert cache.lookup(keys) == 4  # every valid block is back
+        assert cache.lookup(other_keys) == 0  # torn root: it and its child are gone
+        assert cache.snapshot()["orphan_blocks"] == 0
+        assert not list(root.rglob("*.tmp")) and not (leaf.parent / "ffff.kv").is_symlink()
+        assert outside.read_bytes() == b"not yours"  # the link's target is never touched
+        assert cache.snapshot()["integrity_failures"]["disk"] >= 2
+        got = cache.load(keys)
+        assert all(same_bytes(a, b) for a, b in zip(got, blocks))
+
+
+def test_other_namespace_never_hits(tmp_path):
+    config = make_config(tmp_path, 16, 32, write_policy="write_through")
+    keys = keys_for(3)
+    with TieredCache(config, SHAPE, torch.bfloat16) as cache:
+        cache.store(keys, random_blocks(3))
+        cache.flush()
+    with TieredCache(config, SHAPE, torch.float32) as other:  # another dtype = another namespace
+        assert other.lookup(keys) == 0
+
+
+def test_full_store_queue_drops_and_counts_without_blocking(tmp_path):
+    config = make_config(tmp_path, 64, 64).model_copy(update={"queue_depth": 1})
+    with TieredCache(config, SHAPE, torch.bfloat16) as cache:
+        assert cache.mover.reserve_store()  # another store holds the only place in the queue
+        accepted = cache.store(keys_for(3), random_blocks(3))
+        assert accepted == 0
+        assert cache.snapshot()["stores_dropped"] == {"queue_full": 3}
+        cache.mover.release_store()
+        assert cache.store(keys_for(3), random_blocks(3)) == 3
+
+
+def test_tiers_stay_within_bytes_under_pressure(tmp_path):
+    config = make_config(tmp_path, 6, 10)
+    with TieredCache(config, SHAPE, torch.bfloat16) as cache:
+        disk = cache.stores["disk"]
+        for r in range(12):
+            keys = keys_for(4, salt=r)
+            cache.store(keys, random_blocks(4, seed=r))
+            cache.flush()
+            snap = cache.snapshot()["tiers"]
+            assert snap["host"]["used_bytes"] <= snap["host"]["capacity_bytes"]
+            assert snap["disk"]["used_bytes"] <= snap["disk"]["capacity_bytes"]
+            assert disk.used_bytes() <= config.secondary_tiers[0].max_bytes
+        assert cache.snapshot()["orphan_blocks"] == 0
+
+
+def test_prometheus_families(tmp_path):
+    with TieredCache(make_config(tmp_path, 8, 8), SHAPE, torch.bfloat16) as cache:
+        keys = keys_for(2)
+        cache.store(keys, random_blocks(2))
+        cache.flush()
+        cache.load(keys)
+        text = cache.metrics.exposition().decode()
+    for family in ("kvtier_lookup_tokens_total", "kvtier_moves_total", "kvtier_move_bytes_total",
+                   "kvtier_move_seconds_bucket", "kvtier_tier_used_bytes", "kvtier_tier_capacity_bytes",
+                   "kvtier_evictions_total", "kvtier_admission_rejects_total", "kvtier_stores_dropped_total",
+                   "kvtier_integrity_failures_total", "kvtier_orphan_blocks", "kvtier_tier_enabled"):
+        assert family in text, family
+    assert 'kvtier_lookup_tokens_total{source="host"} 32.0' in text
+    assert 'kvtier_moves_total{dst="host",src="caller"} 2.0' in text
+
+
+def test_wrong_block_shape_is_refused(tmp_path):
+    with TieredCache(make_config(tmp_path, 8), SHAPE, torch.bfloat16) as cache:
+        with pytest.raises(ValueError, match="shape"):
+            cache.store(keys_for(1), [torch.zeros(3, 3, dtype=torch.bfloat16)])

@@ -1,0 +1,89 @@
+"""Bad configuration gets a clear error naming the field; the CLI exits 2 and changes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.cli import main
+from kvtier.config import ConfigError, parse_config
+
+GOOD = {"cpu_bytes_to_use": 1 << 20, "block_size": 256}
+
+
+def fs(tmp_path, **extra):
+    return {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 1 << 30, **extra}
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"cpu_bytes_to_use": -1}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": 0}, "cpu_bytes_to_use"),
+        ({"block_size": 0}, "block_size"),
+        ({"eviction_policy": "mru"}, "eviction_policy"),
+        ({"block_size": 100}, "multiple of the engine's block size"),
+        ({"secondary_offload_min_priority": 101}, "secondary_offload_min_priority"),
+        ({"cpu_bytes": 5}, "cpu_bytes"),
+    ],
+)
+def test_bad_values_name_the_field(change, field):
+    with pytest.raises(ConfigError, match=field):
+        parse_config({**GOOD, **change})
+
+
+def test_bad_tiers_name_the_field(tmp_path):
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].max_bytes"):
+        parse_config({**GOOD, "secondary_tiers": [fs(tmp_path, max_bytes=0)]})
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]: unknown tier type 's3'"):
+        parse_config({**GOOD, "secondary_tiers": [{**fs(tmp_path), "type": "s3"}]})
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].eviction_policy"):
+        parse_config({**GOOD, "secondary_tiers": [fs(tmp_path, eviction_policy="random")]})
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].root_dir: not a writable directory"):
+        parse_config({**GOOD, "secondary_tiers": [{**fs(tmp_path), "root_dir": str(blocker / "kv")}]})
+
+
+def test_vllm_and_tensorrt_names(tmp_path):
+    config = parse_config({"host_cache_size": 4096, "secondary_offload_min_priority": 30,
+                           "secondary_tiers": [fs(tmp_path, n_read_threads=32, n_write_threads=16)]})
+    assert config.cpu_bytes_to_use == 4096 and config.host_admission.min_priority == 30
+    assert config.secondary_tiers[0].n_read_threads == 32
+
+
+def test_cli_config_exit_codes(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**GOOD, "eviction_policy": "mru"}))
+    assert main(["config", str(bad)]) == 2
+    assert "eviction_policy" in capsys.readouterr().err
+    assert main(["config", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    bad.write_text("{not json")
+    assert main(["config", str(bad)]) == 2
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(GOOD))
+    assert main(["config", str(good)]) == 0
+    assert '"eviction_policy": "lru"' in capsys.readouterr().out
+
+
+def test_cli_demo_with_bad_config_exits_2_and_writes_nothing(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**GOOD, "secondary_tiers": [fs(tmp_path, max_bytes=-5)]}))
+    out = tmp_path / "demo.json"
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--config", str(bad), "--json", str(out)],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 2, proc.stderr
+    assert "secondary_tiers[0].max_bytes" in proc.stderr
+    assert not out.exists()
+
+
+def test_cli_help_explains_itself():
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    for word in ("demo", "bench", "config", "host DRAM"):
+        assert word in proc.stdout
