@@ -114,16 +114,31 @@ class TieredCache:
         with self._lock:
             return len(self.directory.lookup(keys))
 
-    def load(self, keys: Sequence[bytes], device: torch.device | str | None = None) -> list[torch.Tensor]:
+    def load(
+        self, keys: Sequence[bytes], device: torch.device | str | None = None,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
         """The longest readable prefix of `keys`, as new tensors on `device` (default CPU).
+
+        With `out` (one contiguous tensor per key, of the cache's block shape and dtype, on any device) the
+        blocks are copied into those tensors instead, and the leading ones that were filled are returned:
+        no allocation, so no first-touch page faults (`device` is then ignored).
 
         A block that turns out corrupt or missing on its tier ends the prefix there: it is a miss, and it
         is never returned.
         """
+        if out is not None:
+            if len(out) != len(keys):
+                raise ValueError(f"load: {len(keys)} keys but {len(out)} out tensors")
+            for block in out:
+                self._check(block)
+                if not block.is_contiguous():
+                    raise ValueError("load: out tensors must be contiguous")
         with self._lock:
             plan = self.directory.plan_load(keys)
             self.directory.record_lookup(plan.sources, len(keys))
-        out = [torch.empty(self.block_shape, dtype=self.dtype, device=device or "cpu") for _ in plan.keys]
+        if out is None:
+            out = [torch.empty(self.block_shape, dtype=self.dtype, device=device or "cpu") for _ in plan.keys]
         try:
             ok = self.mover.load(plan, out)
         finally:
@@ -131,8 +146,8 @@ class TieredCache:
                 self.directory.finish_load(plan)
                 garbage = self.directory.take_garbage()
             self.mover.delete(garbage)
-        usable = next((i for i, good in enumerate(ok) if not good), len(ok))
-        return out[:usable]
+        usable = next((i for i, good in enumerate(ok) if not good), len(plan.keys))
+        return list(out[:usable])
 
     def flush(self) -> None:
         """Wait for every store and delete in flight."""

@@ -56,7 +56,7 @@ class Step:
     dst_slot: int | None = None
     index: int = -1  # position in the caller's block list (PUT source, GET destination)
     parent: bytes | None = None
-    needs_prev: bool = False  # skip (as FAILED) when the previous step of the chain failed
+    needs_prev: bool = False  # skip (as FAILED) when an earlier step of the chain for this key failed
     holds_src: bool = False  # the source copy is held (readers) until this step completes
     accounted: bool = False  # a DELETE whose bytes are still counted against the tier until it runs
 
@@ -169,6 +169,7 @@ class Directory:
         self._blocks: dict[bytes, Block] = {}
         self._retiring: dict[bytes, Block] = {}  # dropped, with a transfer still in flight
         self._garbage: list[Step] = []  # deletes found outside a plan (cascades during completions)
+        self._deleting: Counter[tuple[str, bytes]] = Counter()  # (tier, key) deletes in flight: no rewrite meanwhile
         cap = sightings_capacity or 4 * sum(t.capacity_blocks for t in self.tiers)
         self._sightings: OrderedDict[bytes, int] = OrderedDict()
         self._sightings_capacity = max(1024, cap)
@@ -227,6 +228,10 @@ class Directory:
             if source == first.name:
                 plan.chains.append([Step(Op.GET, key, first.name, CALLER, src_slot=block.copies[source].slot, index=i)])
                 continue
+            if first.name in block.copies:  # another load is staging it: its slot is taken, its bytes not there yet
+                self.finish_load(Plan(chains=[], keys=plan.keys[i:]))
+                del plan.keys[i:], plan.sources[i:]
+                break
             chain: list[Step] = []
             try:
                 slot = self._allocate(first, chain, key)
@@ -302,7 +307,7 @@ class Directory:
                     plan.chains.append(chain)
                 break
             if parent_key is not None and parent_key not in self._blocks:  # making room dropped the parent
-                first.free_slots.append(slot) if slot is not None else None
+                self._unallocate(first, slot, chain)
                 self.stats.stores_dropped["orphan"] += len(keys) - i
                 if chain:
                     plan.chains.append(chain)
@@ -354,6 +359,9 @@ class Directory:
         Write-through: the source copy stays resident and is held (readers) until the copy completes.
         Demotion: the source copy has already left the directory; `src_slot` is where its bytes still are.
         """
+        if (dst.name, block.key) in self._deleting:  # the delete of its old copy, run late, would undo this write
+            self.stats.stores_dropped["deleting"] += 1
+            return False
         reason = dst.spec.admission.reject_reason(block.priority, block.seen, dst.spec.block_bytes, self.clock())
         if reason is not None:
             self.stats.admission_rejects[(dst.name, reason)] += 1
@@ -364,8 +372,7 @@ class Directory:
             self.stats.stores_dropped["no_space"] += 1
             return False
         if block.key not in self._blocks:  # making room in dst dropped an ancestor, and with it this block
-            if room is not None:
-                dst.free_slots.append(room)
+            self._unallocate(dst, room, chain)
             return False
         src_copy = block.copies.get(src.name)
         holds = src_copy is not None
@@ -387,6 +394,10 @@ class Directory:
     def complete(self, step: Step, status: Status) -> None:
         """The mover finished `step`. Only now does a copy become readable or a slot reusable."""
         if step.op is Op.DELETE:
+            if self._deleting[(step.src, step.key)] > 1:
+                self._deleting[(step.src, step.key)] -= 1
+            else:
+                self._deleting.pop((step.src, step.key), None)
             if step.accounted:
                 self.tier[step.src].used_blocks -= 1
             return
@@ -395,7 +406,7 @@ class Directory:
             return
         if step.holds_src and (src := block.copies.get(step.src)) is not None:
             src.readers -= 1
-        if status is Status.SOURCE_LOST and step.src != CALLER:
+        if status is Status.SOURCE_LOST and step.src in block.copies:  # a demotion's source already left
             self._remove_copy(block, self.tier[step.src], already_deleted=True)
         if step.op is Op.GET:
             if not block.copies and not block.doomed:
@@ -403,9 +414,10 @@ class Directory:
             return
         dst = block.copies.get(step.dst)
         if dst is not None and dst.state is State.WRITING:
-            if status is Status.OK and not block.doomed:
-                dst.state = State.READY
-                self._event("stored", block.key, step.dst)
+            if status is Status.OK:
+                dst.state = State.READY  # a dropped block's copy is released below, once no transfer reads it
+                if not block.doomed:
+                    self._event("stored", block.key, step.dst)
             else:
                 self._remove_copy(block, self.tier[step.dst], already_deleted=status is not Status.OK)
         if block.doomed:
@@ -436,7 +448,7 @@ class Directory:
             if key in self._blocks and tier_name in self._blocks[key].copies:
                 continue
             if parent is not None and parent not in known:
-                deletes.append(Step(Op.DELETE, key, tier_name, CALLER))
+                deletes.append(self._delete(tier_name, key))
                 continue
             block = self._blocks.get(key) or Block(key, parent, DEFAULT_PRIORITY)
             block.copies[tier_name] = Copy(None, State.READY)
@@ -488,6 +500,22 @@ class Directory:
             return None
         return tier.free_slots.pop()  # LIFO: the victim's slot, reused only after its demotion step in `chain`
 
+    def _unallocate(self, tier: Tier, slot: int | None, chain: list[Step]) -> None:
+        """Give back a slot that `_allocate` found but nothing will be written to. If a step of `chain` still
+        reads the evicted block's bytes there (its demotion), that block keeps the slot until the step is done."""
+        if slot is None:
+            return
+        reader = next((s for s in chain if s.src == tier.name and s.src_slot == slot), None)
+        block = None if reader is None else self._blocks.get(reader.key) or self._retiring.get(reader.key)
+        if block is None:
+            tier.free_slots.append(slot)
+            return
+        block.copies[tier.name] = Copy(slot, State.READY, readers=1)
+        reader.holds_src = True
+        tier.used_blocks += 1
+        if not block.doomed:
+            tier.policy.insert(block.key, block.priority)
+
     def _pick_victim(self, tier: Tier, incoming: bytes | None) -> Block | None:
         """The policy's first evictable candidate, unless a few more on its list can go without orphaning."""
         fallback: Block | None = None
@@ -519,7 +547,7 @@ class Directory:
             tier.free_slots.append(copy.slot)
             tier.used_blocks -= 1
         else:
-            chain.append(Step(Op.DELETE, block.key, tier.name, CALLER))  # its bytes go to the incoming block
+            chain.append(self._delete(tier.name, block.key))  # its bytes go to the incoming block
             tier.used_blocks -= 1
         if not block.copies and block.key in self._blocks:
             self._drop(block)
@@ -561,7 +589,11 @@ class Directory:
         elif already_deleted:
             tier.used_blocks -= 1
         else:  # the bytes stay counted until the file (or shared key) is really gone
-            self._garbage.append(Step(Op.DELETE, block.key, tier.name, CALLER, accounted=True))
+            self._garbage.append(self._delete(tier.name, block.key, accounted=True))
+
+    def _delete(self, tier_name: str, key: bytes, accounted: bool = False) -> Step:
+        self._deleting[(tier_name, key)] += 1
+        return Step(Op.DELETE, key, tier_name, CALLER, accounted=accounted)
 
     def _link(self, block: Block) -> None:
         self._blocks[block.key] = block

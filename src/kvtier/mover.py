@@ -142,9 +142,9 @@ class Mover:
         try:
             for step in steps:
                 if put:
-                    slab.slot(step.dst_slot).copy_(_flat(blocks[step.index]), non_blocking=True)  # type: ignore[index]
+                    _copy_bytes(slab.slot(step.dst_slot), blocks[step.index], non_blocking=True)  # type: ignore[index]
                 else:
-                    _flat(out[step.index]).copy_(slab.slot(step.src_slot), non_blocking=True)  # type: ignore[index]
+                    _copy_bytes(out[step.index], slab.slot(step.src_slot), non_blocking=True)  # type: ignore[index]
             _synchronize(blocks if put else out)
             status = Status.OK
         except (RuntimeError, ValueError):
@@ -162,9 +162,9 @@ class Mover:
         self, chain: list[Step], blocks: Sequence[torch.Tensor] | None, out: Sequence[torch.Tensor] | None,
         delivered: list[bool] | None = None,
     ) -> None:
-        previous = Status.OK
+        failed: set[bytes] = set()  # keys whose bytes did not arrive where later steps of the chain read them
         for step in chain:
-            if step.needs_prev and previous is not Status.OK:
+            if step.needs_prev and step.key in failed:
                 status = Status.FAILED
             else:
                 start = time.perf_counter()
@@ -173,8 +173,9 @@ class Mover:
                     self.metrics.observe_move(step.src, step.dst, nbytes, time.perf_counter() - start)
                 if status is Status.OK and step.op is Op.GET and delivered is not None:
                     delivered[step.index] = True
+            if status is not Status.OK and step.op is not Op.DELETE:
+                failed.add(step.key)
             self.report(step, status)
-            previous = status
 
     def _run_step(self, step: Step, blocks: Sequence[torch.Tensor] | None, out: Sequence[torch.Tensor] | None) -> tuple[Status, int]:
         try:
@@ -188,7 +189,7 @@ class Mover:
             if step.op is Op.GET:
                 assert out is not None
                 slab: HostSlab = self.stores[step.src]  # type: ignore[assignment]
-                _flat(out[step.index]).copy_(slab.slot(step.src_slot))
+                _copy_bytes(out[step.index], slab.slot(step.src_slot))
                 return Status.OK, slab.payload_nbytes
             # COPY between tiers
             source = self.stores[step.src]
@@ -227,6 +228,21 @@ class Mover:
 def _flat(block: torch.Tensor) -> torch.Tensor:
     """A block's bytes as one flat uint8 view (no copy; never a dtype conversion)."""
     return block.view(-1).view(torch.uint8)
+
+
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    """Copy `src`'s bytes over `dst`'s, bit for bit (both contiguous, the same number of bytes).
+
+    As 8-byte words where both allow it, else as bytes: torch (2.13, CPU) copies words about 10% faster than
+    the same bytes. Both sides always get the same element type, so nothing is ever converted.
+    """
+    try:
+        d, s = dst.view(-1).view(torch.int64), src.view(-1).view(torch.int64)
+        if d.numel() != s.numel():  # a size mismatch fails (or broadcasts) exactly as a byte copy would
+            raise RuntimeError
+    except RuntimeError:  # a size or offset that is not a multiple of 8 bytes (or not contiguous: raises below)
+        d, s = _flat(dst), _flat(src)
+    d.copy_(s, non_blocking=non_blocking)
 
 
 def _bytes_of(block: torch.Tensor) -> torch.Tensor:

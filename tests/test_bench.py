@@ -1,0 +1,17 @@
+"""`kvtier bench --quick` runs end to end and writes every named figure (speed itself is never asserted here)."""
+
+from __future__ import annotations
+
+import json
+
+from kvtier.cli import main
+
+
+def test_bench_quick_writes_every_figure(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--json", str(out), "--root", str(tmp_path / "disk")]) == 0
+    result = json.loads(out.read_text())
+    for name in ("host_vs_copy", "disk_write_vs_raw", "disk_read_vs_raw", "lookup_keys_per_s"):
+        assert isinstance(result[name], (int, float)) and result[name] > 0, name
+    assert len(result["host_vs_copy_by_size"]) == 3  # 256 KiB, 1 MiB, 4 MiB blocks
+    assert set(result["targets"]) == {"host_vs_copy", "disk_write_vs_raw", "disk_read_vs_raw", "lookup_keys_per_s"}
