@@ -48,12 +48,15 @@ class Metrics:
         )
         self.registry.register(_Collector(self))
 
-    def observe_move(self, src: str, dst: str, nbytes: int, seconds: float) -> None:
+    def observe_move(self, src: str, dst: str, nbytes: int, seconds: float, count: int = 1) -> None:
+        """`count` moves of `nbytes` each that took `seconds` each (a batch is observed in one call)."""
         with self.moves.lock:
-            self.moves.moves[(src, dst)] += 1
-            self.moves.bytes[(src, dst)] += nbytes
-            self.moves.seconds[(src, dst)] += seconds
-        self.move_seconds.labels(src, dst).observe(seconds)
+            self.moves.moves[(src, dst)] += count
+            self.moves.bytes[(src, dst)] += nbytes * count
+            self.moves.seconds[(src, dst)] += seconds * count
+        histogram = self.move_seconds.labels(src, dst)
+        for _ in range(count):
+            histogram.observe(seconds)
 
     def count(self, family: str, label: str, n: int = 1) -> None:
         with self.moves.lock:

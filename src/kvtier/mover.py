@@ -149,13 +149,13 @@ class Mover:
             status = Status.OK
         except (RuntimeError, ValueError):
             status = Status.FAILED
-        each = (time.perf_counter() - start) / len(steps)
-        src, dst = (CALLER, tier) if put else (tier, CALLER)
+        if status is Status.OK:
+            each = (time.perf_counter() - start) / len(steps)
+            src, dst = (CALLER, tier) if put else (tier, CALLER)
+            self.metrics.observe_move(src, dst, slab.payload_nbytes, each, count=len(steps))
         for step in steps:
-            if status is Status.OK:
-                self.metrics.observe_move(src, dst, slab.payload_nbytes, each)
-                if delivered is not None:
-                    delivered[step.index] = True
+            if status is Status.OK and delivered is not None:
+                delivered[step.index] = True
             self.report(step, status)
 
     def _run_chain(
