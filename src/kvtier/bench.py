@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -258,9 +258,9 @@ def _disk_case(workdir: Path, block_bytes: int, total: int, reps: int, tick: Cal
     statuses: Counter = Counter()
     lock = threading.Lock()
 
-    def report(step: Step, status: Status) -> None:
+    def report(steps: Sequence[Step], status: Status) -> None:
         with lock:
-            statuses[status] += 1
+            statuses[status] += len(steps)
 
     directory = Directory([TierSpec("host", slab.nbytes, slab.slot_nbytes, slotted=True)])
     mover = Mover({"host": slab, "disk": disk}, report, Metrics(directory, 16, lambda _: True),

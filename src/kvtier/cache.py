@@ -176,10 +176,11 @@ class TieredCache:
                 f"block of shape {tuple(block.shape)} {block.dtype}; this cache holds {self.block_shape} {self.dtype}"
             )
 
-    def _report(self, step: Step, status: Status) -> None:
-        """Mover threads land here after each step."""
+    def _report(self, steps: Sequence[Step], status: Status) -> None:
+        """Mover threads land here after each step (or batch of steps)."""
         with self._lock:
-            self.directory.complete(step, status)
+            for step in steps:
+                self.directory.complete(step, status)
             garbage = self.directory.take_garbage()
         self.mover.delete(garbage)
 

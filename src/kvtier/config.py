@@ -53,7 +53,7 @@ class FsTierConfig(_Strict):
     root_dir: Path
     max_bytes: PositiveInt
     n_read_threads: PositiveInt = 8
-    n_write_threads: PositiveInt = 4
+    n_write_threads: PositiveInt = 8
     eviction_policy: PolicyName = "lru"
     write_policy: Literal["write_back", "write_through"] = "write_back"
     admission: AdmissionConfig = AdmissionConfig()

@@ -28,7 +28,7 @@ from kvtier.stores.disk import DiskStore
 from kvtier.stores.host import HostSlab
 
 Store = HostSlab | DiskStore
-Report = Callable[[Step, Status], None]
+Report = Callable[[Sequence[Step], Status], None]  # one status for all of these steps
 log = logging.getLogger(__name__)
 
 
@@ -153,10 +153,10 @@ class Mover:
             each = (time.perf_counter() - start) / len(steps)
             src, dst = (CALLER, tier) if put else (tier, CALLER)
             self.metrics.observe_move(src, dst, slab.payload_nbytes, each, count=len(steps))
-        for step in steps:
-            if status is Status.OK and delivered is not None:
+        if status is Status.OK and delivered is not None:
+            for step in steps:
                 delivered[step.index] = True
-            self.report(step, status)
+        self.report(steps, status)
 
     def _run_chain(
         self, chain: list[Step], blocks: Sequence[torch.Tensor] | None, out: Sequence[torch.Tensor] | None,
@@ -175,7 +175,7 @@ class Mover:
                     delivered[step.index] = True
             if status is not Status.OK and step.op is not Op.DELETE:
                 failed.add(step.key)
-            self.report(step, status)
+            self.report((step,), status)
 
     def _run_step(self, step: Step, blocks: Sequence[torch.Tensor] | None, out: Sequence[torch.Tensor] | None) -> tuple[Status, int]:
         try:

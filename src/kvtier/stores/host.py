@@ -65,6 +65,8 @@ class HostSlab:
         self.slot_nbytes = round_up(payload_nbytes)
         # An anonymous mmap is page-aligned, so slot i starts at i * slot_nbytes from an aligned base.
         self._mmap: mmap.mmap | None = mmap.mmap(-1, num_slots * self.slot_nbytes)
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages where the kernel allows: fewer TLB misses per copy
+            self._mmap.madvise(mmap.MADV_HUGEPAGE)
         self._buf = torch.frombuffer(self._mmap, dtype=torch.uint8).view(num_slots, self.slot_nbytes)
         self._rows = self._buf[:, :payload_nbytes]  # strided when slots carry padding
         self.pinned = False
