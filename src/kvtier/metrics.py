@@ -36,7 +36,10 @@ class MoveStats:
 class Metrics:
     """One registry per cache, so that two caches in one process never mix their numbers."""
 
-    def __init__(self, directory: Directory, block_tokens: int, tier_enabled: Callable[[str], bool]) -> None:
+    def __init__(
+        self, directory: Directory | None, block_tokens: int, tier_enabled: Callable[[str], bool] = lambda _: True
+    ) -> None:
+        """`directory` is None where only bytes move (a vLLM worker): then only the data plane's figures exist."""
         self.directory = directory
         self.block_tokens = block_tokens
         self.tier_enabled = tier_enabled
@@ -74,6 +77,10 @@ class Metrics:
             move_seconds = {f"{s}->{t}": n for (s, t), n in self.moves.seconds.items()}
             integrity = dict(self.moves.integrity_failures)
             dropped = Counter(self.moves.stores_dropped)
+        data_plane = {"moves": moves, "move_bytes": move_bytes, "move_seconds": move_seconds,
+                      "integrity_failures": integrity, "stores_dropped": dict(dropped)}
+        if d is None:
+            return data_plane
         dropped.update(d.stats.stores_dropped)
         return {
             "lookup_tokens": {k: v * self.block_tokens for k, v in d.stats.lookup_blocks.items()},
@@ -113,18 +120,20 @@ class _Collector:
                 fam.add_metric([tier], value)
             return fam
 
-        tokens = {k: v * m.block_tokens for k, v in d.stats.lookup_blocks.items()}
-        yield counter("kvtier_lookup_tokens", "Tokens looked up, by where they were found", ["source"], tokens)
         with m.moves.lock:
             moves, nbytes = dict(m.moves.moves), dict(m.moves.bytes)
         yield counter("kvtier_moves", "Blocks moved", ["src", "dst"], moves)
         yield counter("kvtier_move_bytes", "Bytes moved", ["src", "dst"], nbytes)
-        yield counter("kvtier_evictions", "Blocks evicted", ["tier", "reason"], dict(d.stats.evictions))
-        yield counter("kvtier_admission_rejects", "Blocks refused by a tier's admission rule", ["tier", "reason"],
-                      dict(d.stats.admission_rejects))
         yield counter("kvtier_stores_dropped", "Block stores dropped", ["reason"], snap["stores_dropped"])
         yield counter("kvtier_integrity_failures", "Corrupt, torn or foreign blocks detected", ["tier"],
                       snap["integrity_failures"])
+        if d is None:
+            return
+        tokens = {k: v * m.block_tokens for k, v in d.stats.lookup_blocks.items()}
+        yield counter("kvtier_lookup_tokens", "Tokens looked up, by where they were found", ["source"], tokens)
+        yield counter("kvtier_evictions", "Blocks evicted", ["tier", "reason"], dict(d.stats.evictions))
+        yield counter("kvtier_admission_rejects", "Blocks refused by a tier's admission rule", ["tier", "reason"],
+                      dict(d.stats.admission_rejects))
         tiers = snap["tiers"]
         yield gauge("kvtier_tier_used_bytes", "Bytes held by a tier", {t: v["used_bytes"] for t, v in tiers.items()})
         yield gauge("kvtier_tier_capacity_bytes", "Configured bytes of a tier",
@@ -132,4 +141,4 @@ class _Collector:
         yield gauge("kvtier_tier_enabled", "1 while a tier serves, 0 once the guard turned it off",
                     {t: float(v["enabled"]) for t, v in tiers.items()})
         yield gauge("kvtier_orphan_blocks", "Blocks whose parent is in no tier (a bug if not 0)",
-                    {"all": snap["orphan_blocks"]})
+                    d.orphans_by_tier())

@@ -28,6 +28,7 @@ from kvtier.stores.disk import DiskStore
 from kvtier.stores.host import HostSlab
 
 Store = HostSlab | DiskStore
+Block = torch.Tensor | Sequence[torch.Tensor | int]  # see copy_into_slot
 Report = Callable[[Sequence[Step], Status], None]  # one status for all of these steps
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class Mover:
     def release_store(self) -> None:
         self._store_slots.release()
 
-    def store(self, plan: Plan, blocks: Sequence[torch.Tensor]) -> None:
+    def store(self, plan: Plan, blocks: Sequence[Block]) -> None:
         """Run a store plan in the background; the place `reserve_store` took is freed when all of it is done."""
         batch, chains = self._split(plan, Op.PUT)
         tasks = [partial(self._run_chain, chain, blocks, None) for chain in chains]
@@ -81,7 +82,7 @@ class Mover:
             self._track(future)
             future.add_done_callback(one_done)
 
-    def load(self, plan: Plan, out: Sequence[torch.Tensor]) -> list[bool]:
+    def load(self, plan: Plan, out: Sequence[Block]) -> list[bool]:
         """Run a load plan and wait for it; True for each `out[i]` that now holds its block.
 
         Host hits are copied in the caller's thread; promotions from slower tiers run on the read pool.
@@ -131,7 +132,7 @@ class Mover:
         return isinstance(self.stores[tier], HostSlab)
 
     def _run_batch(
-        self, steps: list[Step], blocks: Sequence[torch.Tensor] | None, out: Sequence[torch.Tensor] | None,
+        self, steps: list[Step], blocks: Sequence[Block] | None, out: Sequence[Block] | None,
         delivered: list[bool] | None = None,
     ) -> None:
         """Many caller<->host copies in one go, straight between the caller's tensors and the slots."""
@@ -142,9 +143,9 @@ class Mover:
         try:
             for step in steps:
                 if put:
-                    _copy_bytes(slab.slot(step.dst_slot), blocks[step.index], non_blocking=True)  # type: ignore[index]
+                    copy_into_slot(slab.slot(step.dst_slot), blocks[step.index], non_blocking=True)  # type: ignore[index]
                 else:
-                    _copy_bytes(out[step.index], slab.slot(step.src_slot), non_blocking=True)  # type: ignore[index]
+                    copy_from_slot(out[step.index], slab.slot(step.src_slot), non_blocking=True)  # type: ignore[index]
             _synchronize(blocks if put else out)
             status = Status.OK
         except (RuntimeError, ValueError):
@@ -159,7 +160,7 @@ class Mover:
         self.report(steps, status)
 
     def _run_chain(
-        self, chain: list[Step], blocks: Sequence[torch.Tensor] | None, out: Sequence[torch.Tensor] | None,
+        self, chain: list[Step], blocks: Sequence[Block] | None, out: Sequence[Block] | None,
         delivered: list[bool] | None = None,
     ) -> None:
         failed: set[bytes] = set()  # keys whose bytes did not arrive where later steps of the chain read them
@@ -177,7 +178,7 @@ class Mover:
                 failed.add(step.key)
             self.report((step,), status)
 
-    def _run_step(self, step: Step, blocks: Sequence[torch.Tensor] | None, out: Sequence[torch.Tensor] | None) -> tuple[Status, int]:
+    def _run_step(self, step: Step, blocks: Sequence[Block] | None, out: Sequence[Block] | None) -> tuple[Status, int]:
         try:
             if step.op is Op.DELETE:
                 disk: DiskStore = self.stores[step.src]  # type: ignore[assignment]
@@ -189,7 +190,7 @@ class Mover:
             if step.op is Op.GET:
                 assert out is not None
                 slab: HostSlab = self.stores[step.src]  # type: ignore[assignment]
-                _copy_bytes(out[step.index], slab.slot(step.src_slot))
+                copy_from_slot(out[step.index], slab.slot(step.src_slot))
                 return Status.OK, slab.payload_nbytes
             # COPY between tiers
             source = self.stores[step.src]
@@ -245,13 +246,47 @@ def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False
     d.copy_(s, non_blocking=non_blocking)
 
 
+def copy_into_slot(slot: torch.Tensor, block: Block, non_blocking: bool = False) -> None:
+    """A caller's block into a host slot. A block is one tensor, or the parts its bytes are made of, in order
+    (an engine's per-layer pages); an int part is that many bytes left as they are."""
+    if isinstance(block, torch.Tensor):
+        _copy_bytes(slot, block, non_blocking)
+        return
+    offset = 0
+    for part in block:
+        if isinstance(part, int):
+            offset += part
+            continue
+        n = part.numel() * part.element_size()
+        _copy_bytes(slot[offset : offset + n], part, non_blocking)
+        offset += n
+
+
+def copy_from_slot(block: Block, slot: torch.Tensor, non_blocking: bool = False) -> None:
+    """The reverse of `copy_into_slot`: an int part is skipped (bytes the caller already has)."""
+    if isinstance(block, torch.Tensor):
+        _copy_bytes(block, slot, non_blocking)
+        return
+    offset = 0
+    for part in block:
+        if isinstance(part, int):
+            offset += part
+            continue
+        n = part.numel() * part.element_size()
+        _copy_bytes(part, slot[offset : offset + n], non_blocking)
+        offset += n
+
+
 def _bytes_of(block: torch.Tensor) -> torch.Tensor:
     """A block's bytes on the CPU, as disk and shared stores write them."""
     flat = _flat(block.contiguous())
     return flat if flat.device.type == "cpu" else flat.cpu()
 
 
-def _synchronize(tensors: Sequence[torch.Tensor] | None) -> None:
+def _synchronize(blocks: Sequence[Block] | None) -> None:
     """Non-blocking copies to or from an accelerator are complete only after a sync."""
-    if tensors and tensors[0].device.type == "cuda":
-        torch.cuda.current_stream(tensors[0].device).synchronize()
+    first = blocks[0] if blocks else None
+    if first is not None and not isinstance(first, torch.Tensor):
+        first = next((p for p in first if isinstance(p, torch.Tensor)), None)
+    if first is not None and first.device.type == "cuda":
+        torch.cuda.current_stream(first.device).synchronize()
