@@ -59,6 +59,7 @@ class Step:
     needs_prev: bool = False  # skip (as FAILED) when an earlier step of the chain for this key failed
     holds_src: bool = False  # the source copy is held (readers) until this step completes
     accounted: bool = False  # a DELETE whose bytes are still counted against the tier until it runs
+    id: int = 0  # set by drivers that ship steps to another process and match completions by id
 
 
 @dataclass

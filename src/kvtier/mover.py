@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,12 +43,17 @@ class Mover:
         n_read_threads: int = 8,
         n_write_threads: int = 4,
         queue_depth: int = 64,
+        cpus: set[int] | None = None,
     ) -> None:
+        """`cpus`: where the mover's threads may run. An engine that pins its compute threads to some cores
+        (vLLM's CPU backend does) would otherwise hand that pinning to our threads, which then queue behind
+        its spinning OpenMP threads."""
         self.stores = stores
         self.report = report
         self.metrics = metrics
-        self._reads = ThreadPoolExecutor(n_read_threads, thread_name_prefix="kvtier-read")
-        self._writes = ThreadPoolExecutor(n_write_threads, thread_name_prefix="kvtier-write")
+        init = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        self._reads = ThreadPoolExecutor(n_read_threads, thread_name_prefix="kvtier-read", initializer=init)
+        self._writes = ThreadPoolExecutor(n_write_threads, thread_name_prefix="kvtier-write", initializer=init)
         self._store_slots = threading.BoundedSemaphore(queue_depth)
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
@@ -186,6 +192,10 @@ class Mover:
                 return Status.OK, 0
             if step.op is Op.PUT:
                 assert blocks is not None
+                target = self.stores[step.dst]
+                if isinstance(target, HostSlab):
+                    copy_into_slot(target.slot(step.dst_slot), blocks[step.index])
+                    return Status.OK, target.payload_nbytes
                 return self._write(step.dst, step, _bytes_of(blocks[step.index]))
             if step.op is Op.GET:
                 assert out is not None

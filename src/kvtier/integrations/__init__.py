@@ -1,0 +1,1 @@
+"""Engine integrations. Each imports its engine lazily and is the only code that knows the engine's types."""

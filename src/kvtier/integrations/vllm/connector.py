@@ -1,0 +1,113 @@
+"""KVTierConnector: kvtier as a vLLM KV connector (KVConnectorBase_V1).
+
+    --kv-transfer-config '{"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+                           "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 8589934592}}'
+
+One instance runs in the scheduler (the directory: `SchedulerSide`), one in every worker (stores and mover:
+`WorkerSide`). Plans go down in the connector metadata; step completions come back in the worker metadata.
+A failed load is reported through `get_block_ids_with_load_errors`, and the connector sets vLLM's
+`kv_load_failure_policy` to "recompute": a cache miss must cost time, never a request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.setup import geometry, read_config
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = read_config(vllm_config)  # a bad value stops the engine here, naming the field
+        geo = geometry(vllm_config, kv_cache_config, config)
+        self._num_blocks = kv_cache_config.num_blocks
+        self._scheduler = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from kvtier.integrations.vllm.scheduler import SchedulerSide
+
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            self._scheduler = SchedulerSide(config, geo)
+        else:
+            from vllm.distributed.parallel_state import get_world_group
+
+            from kvtier.integrations.vllm.worker import WorkerSide
+
+            self._worker = WorkerSide(config, geo, rank=get_world_group().rank_in_group)
+
+    # ---------------------------------------------------------------- scheduler half
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    # ---------------------------------------------------------------- worker half
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches, self._num_blocks)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        self._worker.start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are whole-request and asynchronous: vLLM waits for finished_recving
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # stores copy finished requests' blocks, which vLLM holds for us
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.worker_meta()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+
+__all__ = ["KVTierConnector", "KVTierWorkerMetadata"]

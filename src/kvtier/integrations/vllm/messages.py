@@ -1,0 +1,62 @@
+"""What travels between the two halves of the connector: plans down, completions up. Small and picklable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from kvtier.directory import Status, Step
+
+# Where a block's bytes sit in the engine: per kvtier block, the engine block id of each of its sub-blocks;
+# None for a sub-block the engine already holds (a load that starts mid-block skips it).
+EngineBlocks = list[int | None]
+
+
+@dataclass
+class LoadJob:
+    request_id: str
+    chains: list[list[Step]]
+    targets: list[EngineBlocks]  # GET step index -> engine blocks to fill
+    unavailable: list[int] = field(default_factory=list)  # engine blocks promised but not loadable: errors
+
+
+@dataclass
+class StoreJob:
+    request_id: str
+    chains: list[list[Step]]
+    sources: list[EngineBlocks]  # PUT step index -> engine blocks to read
+    holds: bool = True  # vLLM holds the request's blocks until we report it in finished_sending
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    stores: list[StoreJob] = field(default_factory=list)
+    deletes: list[Step] = field(default_factory=list)  # garbage: files of dropped blocks
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Step completions of one engine step, from every worker. A step is done once all ranks reported it;
+    its status is the worst any rank saw (a block is only whole if every shard of it is)."""
+
+    completions: dict[int, tuple[Status, int]] = field(default_factory=dict)  # step id -> (status, reports)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
+        assert isinstance(other, KVTierWorkerMetadata)
+        merged = dict(self.completions)
+        for step_id, (status, n) in other.completions.items():
+            if step_id in merged:
+                mine, m = merged[step_id]
+                merged[step_id] = (worst(mine, status), m + n)
+            else:
+                merged[step_id] = (status, n)
+        return KVTierWorkerMetadata(merged)
+
+
+_RANK = {Status.OK: 0, Status.FAILED: 1, Status.SOURCE_LOST: 2}
+
+
+def worst(a: Status, b: Status) -> Status:
+    return a if _RANK[a] >= _RANK[b] else b

@@ -1,0 +1,199 @@
+"""The connector's scheduler half: the directory. It decides; it never touches bytes.
+
+Keys are vLLM's own `request.block_hashes` (the last engine hash of each kvtier block, group 0), never
+re-hashed. Loads are asynchronous: a hit is promised to vLLM only for blocks readable now, pinned until the
+workers report them. Stores happen when a request finishes: its blocks are held (`request_finished` returns
+True) until the workers have copied them out, so a store never reads a block vLLM has reused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvtier.config import KVTierConfig
+from kvtier.directory import Directory, Op, Plan, Status, Step
+from kvtier.integrations.vllm.messages import (
+    EngineBlocks,
+    KVTierMetadata,
+    KVTierWorkerMetadata,
+    LoadJob,
+    StoreJob,
+)
+from kvtier.integrations.vllm.setup import Geometry
+from kvtier.keys import precomputed_keys
+from kvtier.tiers import tier_names, tier_specs
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    """A shipped plan: its steps by id, and what to do when the last one completes."""
+
+    plan: Plan
+    steps: dict[int, Step]
+    kind: str  # "load" | "store" | "delete"
+    reports: Counter = field(default_factory=Counter)  # step id -> ranks that reported it
+
+
+class SchedulerSide:
+    def __init__(self, config: KVTierConfig, geometry: Geometry) -> None:
+        self.config = config
+        self.geo = geometry
+        self.directory = Directory(tier_specs(config, geometry.block_nbytes, geometry.world_size))
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}  # plan id (its first step id) -> pending plan
+        self._plan_of_step: dict[int, int] = {}
+        self._lookups: dict[str, tuple[int, int]] = {}  # request id -> (first kvtier block, blocks promised)
+        self._loads: list[LoadJob] = []
+        self._stores: list[StoreJob] = []
+        self._deletes: list[Step] = []
+        self._stores_in_flight = 0
+        self.stats: Counter = Counter()
+        self._recover()
+
+    # ---------------------------------------------------------------- vLLM's scheduler hooks
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        keys = self._keys(request)
+        first = num_computed_tokens // self.geo.block_tokens
+        sources = self.directory.lookup(keys[first:])
+        end = min((first + len(sources)) * self.geo.block_tokens, self._last_loadable(request))
+        promised = end - num_computed_tokens
+        if promised <= 0:
+            self._lookups.pop(request.request_id, None)
+            return 0, False
+        blocks = -(-(end - first * self.geo.block_tokens) // self.geo.block_tokens)
+        self._lookups[request.request_id] = (first, blocks, end)
+        return promised, True
+
+    def _last_loadable(self, request: Request) -> int:
+        """As vLLM's own prefix cache: the engine block holding the prompt's last token is always computed,
+        so a restored prefix goes through exactly the kernels a local cache hit goes through."""
+        ebs = self.geo.engine_block_size
+        return (request.num_tokens - 1) // ebs * ebs
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0 or request.request_id not in self._lookups:
+            return
+        first, promised, end = self._lookups.pop(request.request_id)
+        keys = self._keys(request)[first : first + promised]
+        engine_ids = blocks.get_block_ids()[0]
+        skip = request.num_computed_tokens // self.geo.engine_block_size  # engine blocks vLLM already has
+        plan = self.directory.plan_load(keys)
+        self.directory.record_lookup(plan.sources, len(keys))
+        targets = [self._engine_blocks(engine_ids, first + i, skip, end) for i in range(len(keys))]
+        unavailable = [b for t in targets[len(plan.keys) :] for b in t if b is not None]
+        if unavailable:  # fewer blocks stageable than promised: vLLM recomputes those
+            self.stats["load_shortfall_blocks"] += len(keys) - len(plan.keys)
+        self._ship(plan, "load")
+        self._loads.append(LoadJob(request.request_id, plan.chains, targets[: len(plan.keys)], unavailable))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Store the request's computed full blocks; hold its engine blocks until the workers copied them."""
+        computed = min(request.num_computed_tokens, len(request.block_hashes) * self.geo.engine_block_size)
+        keys = self._keys(request)[: computed // self.geo.block_tokens]
+        if not keys:
+            return False, None
+        if self._stores_in_flight >= self.config.queue_depth:
+            self.stats["stores_dropped_queue_full"] += len(keys)
+            return False, None
+        plan = self.directory.plan_store(keys)
+        puts = [s for c in plan.chains for s in c if s.op is Op.PUT]
+        if not plan.chains:
+            return False, None
+        self._ship(plan, "store")
+        sources = [self._engine_blocks(block_ids, i, 0, len(keys) * self.geo.block_tokens) for i in range(len(keys))]
+        self._stores.append(StoreJob(request.request_id, plan.chains, sources, holds=bool(puts)))
+        return bool(puts), None
+
+    def has_pending_work(self) -> bool:
+        """Stores or deletes not yet shipped or not yet completed: the engine must keep stepping to drain them."""
+        return bool(self._stores or self._deletes or any(p.kind != "load" for p in self._pending.values()))
+
+    def build_connector_meta(self) -> KVTierMetadata:
+        meta = KVTierMetadata(self._loads, self._stores, self._deletes)
+        self._loads, self._stores, self._deletes = [], [], []
+        return meta
+
+    def update_connector_output(self, worker_meta: KVTierWorkerMetadata | None) -> None:
+        if worker_meta is None:
+            return
+        for step_id, (status, reports) in worker_meta.completions.items():
+            plan_id = self._plan_of_step.get(step_id)
+            if plan_id is None:
+                continue
+            pending = self._pending[plan_id]
+            pending.reports[step_id] += reports
+            if pending.reports[step_id] < self.geo.world_size:
+                continue
+            self.directory.complete(pending.steps.pop(step_id), status)
+            del self._plan_of_step[step_id]
+            if not pending.steps:
+                del self._pending[plan_id]
+                if pending.kind == "load":
+                    self.directory.finish_load(pending.plan)
+                elif pending.kind == "store":
+                    self._stores_in_flight -= 1
+        self._collect_garbage()
+
+    # ---------------------------------------------------------------- internals
+
+    def _keys(self, request: Request) -> list[bytes]:
+        per = self.geo.block_tokens // self.geo.engine_block_size
+        hashes = request.block_hashes[per - 1 :: per]
+        return precomputed_keys(hashes, group=0)
+
+    def _engine_blocks(self, engine_ids: list[int], kvtier_block: int, skip: int, end_token: int) -> EngineBlocks:
+        """The engine blocks of one kvtier block; None for those before `skip` or from `end_token` on."""
+        per = self.geo.engine_blocks_per_block
+        start = kvtier_block * per
+        stop = end_token // self.geo.engine_block_size
+        return [engine_ids[j] if skip <= j < stop else None for j in range(start, start + per)]
+
+    def _ship(self, plan: Plan, kind: str) -> None:
+        """Number the plan's steps and wait for the workers to report each of them."""
+        steps = {}
+        for chain in plan.chains:
+            for step in chain:
+                step.id = next(self._ids)
+                steps[step.id] = step
+        if not steps:
+            if kind == "load":
+                self.directory.finish_load(plan)
+            return
+        plan_id = min(steps)
+        self._pending[plan_id] = _Pending(plan, steps, kind)
+        for step_id in steps:
+            self._plan_of_step[step_id] = plan_id
+        if kind == "store":
+            self._stores_in_flight += 1
+
+    def _collect_garbage(self) -> None:
+        garbage = self.directory.take_garbage()
+        if garbage:
+            self._ship(Plan(chains=[garbage]), "delete")
+            self._deletes.extend(garbage)
+
+    def _recover(self) -> None:
+        """A restart takes back what the disk tier of rank 0 holds (headers only: metadata, no payloads)."""
+        from kvtier.stores.disk import DiskStore  # the scan reads file headers
+
+        for name, tier in zip(tier_names(self.config)[1:], self.config.secondary_tiers):
+            store = DiskStore(tier.root_dir, self.geo.namespace(rank=0), 0, self.geo.block_nbytes, o_direct=tier.o_direct)
+            found, removed = store.scan()
+            deletes = self.directory.adopt(name, [(b.key, b.parent) for b in found])
+            for step in deletes:
+                store.delete(step.key)
+                self.directory.complete(step, Status.OK)
+            store.close()
+            if found or any(removed.values()):
+                log.info("kvtier: %s tier recovered %d blocks, removed %s", name, len(found), removed)

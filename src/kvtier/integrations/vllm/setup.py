@@ -1,0 +1,69 @@
+"""What a kvtier block is inside one vLLM engine: its tokens, its bytes, its namespace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvtier.config import ConfigError, KVTierConfig, parse_config
+from kvtier.keys import Namespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+@dataclass(frozen=True)
+class Geometry:
+    engine_block_size: int  # tokens per vLLM block
+    block_tokens: int  # tokens per kvtier block (a multiple of the engine's)
+    engine_block_nbytes: int  # one vLLM block, all layers of this worker's shard
+    world_size: int
+    model: str
+    dtype: str
+    kv_layout: str
+    hash_algo: str
+    tenant_salt: str
+
+    @property
+    def engine_blocks_per_block(self) -> int:
+        return self.block_tokens // self.engine_block_size
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.engine_blocks_per_block * self.engine_block_nbytes
+
+    def namespace(self, rank: int) -> str:
+        return Namespace(
+            model=self.model, dtype=self.dtype, block_size=self.block_tokens, kv_layout=self.kv_layout,
+            rank=rank, world_size=self.world_size, hash_algo=self.hash_algo, tenant_salt=self.tenant_salt,
+        ).digest()
+
+
+def read_config(vllm_config: VllmConfig) -> KVTierConfig:
+    """kvtier's config from `kv_connector_extra_config`, with the engine's block size filled in."""
+    extra: dict[str, Any] = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    engine_block = vllm_config.cache_config.block_size
+    extra.setdefault("block_size", engine_block)
+    if "engine_block_size" in extra and extra["engine_block_size"] != engine_block:
+        raise ConfigError(f"engine_block_size: {extra['engine_block_size']} but vLLM's block size is {engine_block}")
+    extra["engine_block_size"] = engine_block
+    return parse_config(extra)
+
+
+def geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KVTierConfig) -> Geometry:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(f"kvtier supports models with one KV-cache group; this one has {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    return Geometry(
+        engine_block_size=vllm_config.cache_config.block_size,
+        block_tokens=config.block_size,
+        engine_block_nbytes=spec.page_size_bytes * len(groups[0].layer_names),
+        world_size=vllm_config.parallel_config.world_size,
+        model=str(vllm_config.model_config.model),
+        dtype=str(vllm_config.cache_config.cache_dtype) + "/" + str(vllm_config.model_config.dtype),
+        kv_layout=str(kv_cache_config.kv_cache_layout or type(spec).__name__),
+        hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
+        tenant_salt=config.tenant_salt,
+    )

@@ -1,0 +1,161 @@
+"""The connector's worker half: stores and mover over this worker's shard. It executes; it never decides.
+
+The engine's KV memory is treated as opaque pages: every layer tensor is viewed as bytes
+`(outer, num_blocks, page)`, whatever the backend's layout, so layout changes in vLLM do not break us.
+A kvtier block in a host slot is its engine blocks one after another, each as all its layers' pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.config import KVTierConfig
+from kvtier.directory import Op, Plan, Status, Step
+from kvtier.integrations.vllm.messages import EngineBlocks, KVTierMetadata, KVTierWorkerMetadata, LoadJob, StoreJob
+from kvtier.integrations.vllm.setup import Geometry
+from kvtier.metrics import Metrics
+from kvtier.mover import Mover, Store
+from kvtier.stores.disk import DiskStore
+from kvtier.stores.host import HostSlab
+from kvtier.tiers import HOST, host_slots, tier_names
+
+if TYPE_CHECKING:
+    from kvtier.mover import Block
+
+log = logging.getLogger(__name__)
+
+
+def engine_pages(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[torch.Tensor]:
+    """Every layer's KV as uint8 `(num_blocks, page)` views, in layer order (no copy)."""
+    pages = []
+    for name, tensor in kv_caches.items():
+        if not tensor.is_contiguous():
+            raise ValueError(f"kvtier: KV cache of layer {name} is not contiguous: {tuple(tensor.shape)}")
+        dim = next((d for d, size in enumerate(tensor.shape) if size == num_blocks), None)
+        if dim is None:
+            raise ValueError(f"kvtier: no dimension of {num_blocks} blocks in layer {name}: {tuple(tensor.shape)}")
+        outer = math.prod(tensor.shape[:dim])
+        raw = tensor.reshape(-1).view(torch.uint8).view(outer, num_blocks, -1)
+        pages.extend(raw[o] for o in range(outer))  # e.g. K and V halves when they are outermost
+    return pages
+
+
+class WorkerSide:
+    def __init__(self, config: KVTierConfig, geo: Geometry, rank: int) -> None:
+        self.config = config
+        self.geo = geo
+        self.rank = rank
+        self.pages: list[torch.Tensor] = []
+        self.mover: Mover | None = None
+        self.metrics = Metrics(None, geo.block_tokens)
+        self._lock = threading.Lock()
+        self._completions: dict[int, Status] = {}
+        self._sending: set[str] = set()
+        self._recving: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._puts_left: dict[str, set[int]] = {}  # request id -> PUT steps still copying its engine blocks
+        # vLLM's CPU backend binds its compute threads to cores; ours may run on any core of the machine
+        self._cpus = set(range(os.cpu_count() or 1))
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        self.pages = engine_pages(kv_caches, num_blocks)
+        found = sum(p.shape[1] for p in self.pages)
+        if found != self.geo.engine_block_nbytes:
+            raise ValueError(f"kvtier: engine block is {found} B in the KV tensors, {self.geo.engine_block_nbytes} B"
+                             " by the KV-cache config")
+        payload = self.geo.block_nbytes
+        stores: dict[str, Store] = {HOST: HostSlab(host_slots(self.config, payload, self.geo.world_size), payload)}
+        for name, tier in zip(tier_names(self.config)[1:], self.config.secondary_tiers):
+            stores[name] = DiskStore(tier.root_dir, self.geo.namespace(self.rank), self.rank, payload,
+                                     o_direct=tier.o_direct)
+        fs = self.config.secondary_tiers[0] if self.config.secondary_tiers else None
+        self.mover = Mover(stores, self._report, self.metrics,
+                           n_read_threads=fs.n_read_threads if fs else 2,
+                           n_write_threads=fs.n_write_threads if fs else 2,
+                           queue_depth=self.config.queue_depth, cpus=self._cpus)
+
+    # ---------------------------------------------------------------- per engine step
+
+    def start(self, meta: KVTierMetadata) -> None:
+        assert self.mover is not None, "register_kv_caches first"
+        if meta.deletes:
+            self.mover.delete(meta.deletes)
+        for job in meta.stores:
+            self._store(job)
+        for job in meta.loads:
+            self._load(job)
+
+    def _store(self, job: StoreJob) -> None:
+        steps = [s for c in job.chains for s in c]
+        puts = {s.id for s in steps if s.op is Op.PUT}
+        if job.holds:
+            with self._lock:
+                self._puts_left[job.request_id] = set(puts)
+        if not self.mover.reserve_store():  # the scheduler bounds stores too; this is the backstop
+            self.metrics.count("stores_dropped", "queue_full", len(puts))
+            self._report(steps, Status.FAILED)
+            return
+        blocks = [self._parts(src) for src in job.sources]
+        self.mover.store(Plan(chains=job.chains), blocks)
+
+    def _load(self, job: LoadJob) -> None:
+        """Run in the engine's thread, waiting on the mover's read pool: a waiting thread lets the readers
+        run, where a background orchestrator would ping-pong the GIL with the engine's busy step loop."""
+        out = [self._parts(t) for t in job.targets]
+        delivered = self.mover.load(Plan(chains=job.chains), out) if job.chains else []
+        failed = {b for t, ok in zip(job.targets, delivered) if not ok for b in t if b is not None}
+        with self._lock:
+            self._load_errors |= failed | set(job.unavailable)
+            self._recving.add(job.request_id)
+
+    def _parts(self, engine_blocks: EngineBlocks) -> Block:
+        parts: list[torch.Tensor | int] = []
+        for block_id in engine_blocks:
+            for page in self.pages:
+                parts.append(page.shape[1] if block_id is None else page[block_id])
+        return parts
+
+    def _report(self, steps: list[Step] | tuple[Step, ...], status: Status) -> None:
+        with self._lock:
+            for step in steps:
+                self._completions[step.id] = status
+                if step.op is Op.PUT:
+                    for request_id, left in list(self._puts_left.items()):
+                        if step.id in left:
+                            left.discard(step.id)
+                            if not left:
+                                del self._puts_left[request_id]
+                                self._sending.add(request_id)
+                            break
+
+    # ---------------------------------------------------------------- what vLLM collects after each step
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        with self._lock:
+            # a held request with nothing left to copy (its PUTs all dropped) is done at once
+            for request_id in [r for r, left in self._puts_left.items() if not left]:
+                del self._puts_left[request_id]
+                self._sending.add(request_id)
+            sending, self._sending = self._sending, set()
+            recving, self._recving = self._recving, set()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def worker_meta(self) -> KVTierWorkerMetadata | None:
+        with self._lock:
+            done, self._completions = self._completions, {}
+        return KVTierWorkerMetadata({i: (s, 1) for i, s in done.items()}) if done else None
+
+    def shutdown(self) -> None:
+        if self.mover is not None:
+            self.mover.close()

@@ -1,0 +1,57 @@
+"""One vLLM engine (CPU, in-process) running a request sequence; prints its outputs as JSON on the last line.
+
+Run as a subprocess by the tests: each engine gets a fresh process, as a served engine would.
+    python -m tests.vllm.scenario MODEL_DIR CONFIG_JSON|off PROMPTS...
+PROMPTS name seeded 2048-token prompts: A, B, C, D. The engine's KV cache holds 48 blocks of 128 tokens,
+so three other prompts evict a fourth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def prompt(name: str, n: int = 2048) -> list[int]:
+    rng = random.Random(name)
+    return [rng.randrange(3, 32000) for _ in range(n)]
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model, config, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+    kv = None
+    if config != "off":
+        kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+              "kv_role": "kv_both", "kv_connector_extra_config": json.loads(config)}
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=4096, dtype="bfloat16",
+              seed=0, max_num_seqs=4, enable_prefix_caching=True, num_gpu_blocks_override=48,
+              kv_transfer_config=kv)
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, detokenize=False)
+    results = []
+    for name in names:
+        start = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt(name))], params, use_tqdm=False)[0]
+        seconds = time.perf_counter() - start
+        completion = out.outputs[0]
+        results.append({
+            "prompt": name, "tokens": list(completion.token_ids), "cached": out.num_cached_tokens,
+            "logprobs": [next(iter(d.values())).logprob for d in completion.logprobs], "seconds": seconds,
+        })
+        time.sleep(0.2)  # let finished requests' stores complete, as idle time between requests would
+    # In-process, the engine steps only while a request runs; a served engine keeps stepping while the
+    # connector has stores to drain (has_pending_push_work). A short request stands in for that idle time.
+    llm.generate([TokensPrompt(prompt_token_ids=[5] * 8)], SamplingParams(max_tokens=2), use_tqdm=False)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
