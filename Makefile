@@ -26,7 +26,7 @@ bench: venv
 	$(BIN)/kvtier bench --json out/bench.json
 
 demo: venv
-	$(BIN)/kvtier demo
+	$(BIN)/kvtier demo --json out/demo.json --plot out/demo-ttft.png
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -22,16 +22,9 @@ vllm = pytest.importorskip("vllm") if os.environ.get("CI") != "true" else __impo
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A 4-layer Llama with random weights, built locally (nothing is downloaded)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from kvtier.integrations.vllm.tiny_model import build_tiny_llama
 
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=32000, max_position_embeddings=4096,
-                         bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).eval().save_pretrained(path)
-    return str(path)
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def run(model: str, config: dict | str, *prompts: str, expect_rc: int = 0) -> list[dict] | str:
@@ -99,3 +92,24 @@ def test_bad_config_stops_the_engine_naming_the_field(tiny_model):
     assert "cpu_bytes_to_use" in err
     err = run(tiny_model, {"cpu_bytes_to_use": 1 << 20, "block_size": 100}, "A", expect_rc=1)
     assert "block_size" in err
+
+
+def test_rollout_demo_keeps_outputs_identical_and_tiers_bounded(tmp_path):
+    from rich.console import Console
+
+    from kvtier.integrations.vllm.rollout import run_rollout
+
+    report = run_rollout(n_requests=16, concurrency=4, json_path=tmp_path / "demo.json",
+                         plot_path=tmp_path / "ttft.png", console=Console(file=open(os.devnull, "w")))
+    names = [c["name"] for c in report["configurations"]]
+    assert names == ["baseline", "+ host", "+ host + disk"]
+    assert all(c["identical_to_baseline"] for c in report["configurations"])
+    baseline, host, disk = report["configurations"]
+    assert host["tokens"].get("host", 0) > 0  # the host tier served prompt tokens
+    assert disk["tiers"]["disk"]["used_bytes"] > 0  # and demoted blocks to the disk tier under pressure
+    for c in (host, disk):
+        assert c["orphans"] == 0
+        for tier in c["tiers"].values():
+            assert 0 < tier["used_bytes"] <= tier["capacity_bytes"]
+    assert json.loads((tmp_path / "demo.json").read_text())["requests"] == 16
+    assert (tmp_path / "ttft.png").stat().st_size > 10_000

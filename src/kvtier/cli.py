@@ -30,15 +30,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="shared-prefix workload through engine -> host -> disk, one change at a time",
-                          description="Replays a seeded workload (shared system prompts, RAG documents, multi-turn "
-                          "sessions, unique prompts) through a small engine cache, then with a host tier, then with "
-                          "host and disk tiers. Every block served by a tier is checked against recomputation.")
-    demo.add_argument("--requests", type=int, default=160, help="number of requests (default 160)")
+    demo = sub.add_parser("demo", help="the rollout on a real vLLM engine (CPU): baseline -> + host -> + host and disk",
+                          description="Builds a tiny random-weight Llama locally, starts vLLM on the CPU with a small "
+                          "engine KV budget and replays a seeded workload (shared system prompts, RAG documents, "
+                          "multi-turn sessions, unique prompts) in waves of concurrent requests: first with vLLM's "
+                          "prefix cache only, then with a host tier, then with host and disk tiers. Prints TTFT and "
+                          "ITL percentiles, prompt tokens by source, bytes moved, and whether outputs are identical.")
+    demo.add_argument("--requests", type=int, default=48, help="number of requests (default 48)")
+    demo.add_argument("--concurrency", type=int, default=4, help="requests in flight together (default 4)")
     demo.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    demo.add_argument("--config", type=Path, help="a kvtier config JSON to compare with 'engine only' instead of "
-                      "the built-in host / host+disk configurations")
     demo.add_argument("--json", type=Path, help="write every figure to this file")
+    demo.add_argument("--plot", type=Path, default=Path("out/demo-ttft.png"),
+                      help="PNG of the TTFT distributions (default out/demo-ttft.png)")
+    demo.add_argument("--in-process", action="store_true", help="no vLLM: the same tiers behind an in-process "
+                      "engine stand-in (TieredCache), every restored block checked against recomputation")
+    demo.add_argument("--config", type=Path, help="with --in-process: a kvtier config JSON to compare with "
+                      "'engine only' instead of the built-in configurations")
 
     bench = sub.add_parser("bench", help="tier throughput and lookup speed as ratios against baselines",
                            description="host tier vs torch copy_, disk tier vs raw O_DIRECT I/O on the same file "
@@ -79,16 +86,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    if args.requests <= 0:
-        raise ValueError(f"--requests must be > 0, got {args.requests}")
+    for name in ("requests", "concurrency"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name} must be > 0, got {getattr(args, name)}")
     config = parse_config(args.config) if args.config else None
-    from kvtier.demo import run_demo
+    if config is not None and not args.in_process:
+        raise ValueError("--config applies to --in-process only")
+    if args.in_process:
+        from kvtier.demo import run_demo
 
-    results = run_demo(n_requests=args.requests, seed=args.seed, config=config)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([r.as_dict() for r in results], indent=2, default=str))
-    return 0 if all(r.exact for r in results) else 1
+        results = run_demo(n_requests=args.requests, seed=args.seed, config=config)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps([r.as_dict() for r in results], indent=2, default=str))
+        return 0 if all(r.exact for r in results) else 1
+    from kvtier.integrations.vllm.rollout import run_rollout
+
+    report = run_rollout(n_requests=args.requests, seed=args.seed, concurrency=args.concurrency,
+                         json_path=args.json, plot_path=args.plot)
+    return 0 if all(c["identical_to_baseline"] for c in report["configurations"]) else 1
 
 
 if __name__ == "__main__":

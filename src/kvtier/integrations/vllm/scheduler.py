@@ -90,6 +90,9 @@ class SchedulerSide:
         skip = request.num_computed_tokens // self.geo.engine_block_size  # engine blocks vLLM already has
         plan = self.directory.plan_load(keys)
         self.directory.record_lookup(plan.sources, len(keys))
+        for i, source in enumerate(plan.sources):  # tokens each tier really serves to this request
+            lo = max((first + i) * self.geo.block_tokens, request.num_computed_tokens)
+            self.stats[f"tokens_{source}"] += max(0, min((first + i + 1) * self.geo.block_tokens, end) - lo)
         targets = [self._engine_blocks(engine_ids, first + i, skip, end) for i in range(len(keys))]
         unavailable = [b for t in targets[len(plan.keys) :] for b in t if b is not None]
         if unavailable:  # fewer blocks stageable than promised: vLLM recomputes those
