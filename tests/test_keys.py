@@ -44,3 +44,14 @@ def test_namespace_digest_covers_every_field():
     digests = {base.digest()} | {v.digest() for v in variants}
     assert len(digests) == 1 + len(variants)
     assert len(base.digest()) == 32 and base.digest() == Namespace("m", "bfloat16", 256).digest()
+
+
+def test_metadata_plane_imports_neither_torch_nor_vllm():
+    import subprocess
+    import sys
+
+    code = ("import sys; import kvtier.directory, kvtier.policies, kvtier.sim.replay, kvtier.tiers, kvtier.config, "
+            "kvtier.keys, kvtier.layout, kvtier.admission, kvtier.traces.workloads; "
+            "print('torch' in sys.modules, 'vllm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]

@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
 
@@ -259,23 +259,20 @@ def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False
 def copy_into_slot(slot: torch.Tensor, block: Block, non_blocking: bool = False) -> None:
     """A caller's block into a host slot. A block is one tensor, or the parts its bytes are made of, in order
     (an engine's per-layer pages); an int part is that many bytes left as they are."""
-    if isinstance(block, torch.Tensor):
-        _copy_bytes(slot, block, non_blocking)
-        return
-    offset = 0
-    for part in block:
-        if isinstance(part, int):
-            offset += part
-            continue
-        n = part.numel() * part.element_size()
-        _copy_bytes(slot[offset : offset + n], part, non_blocking)
-        offset += n
+    for part, region in _regions(block, slot):
+        _copy_bytes(region, part, non_blocking)
 
 
 def copy_from_slot(block: Block, slot: torch.Tensor, non_blocking: bool = False) -> None:
     """The reverse of `copy_into_slot`: an int part is skipped (bytes the caller already has)."""
+    for part, region in _regions(block, slot):
+        _copy_bytes(part, region, non_blocking)
+
+
+def _regions(block: Block, slot: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each tensor part of `block` with the slot bytes it maps to."""
     if isinstance(block, torch.Tensor):
-        _copy_bytes(block, slot, non_blocking)
+        yield block, slot
         return
     offset = 0
     for part in block:
@@ -283,7 +280,7 @@ def copy_from_slot(block: Block, slot: torch.Tensor, non_blocking: bool = False)
             offset += part
             continue
         n = part.numel() * part.element_size()
-        _copy_bytes(part, slot[offset : offset + n], non_blocking)
+        yield part, slot[offset : offset + n]
         offset += n
 
 
