@@ -27,7 +27,8 @@ def tiny_model(tmp_path_factory) -> str:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def run(model: str, config: dict | str, *prompts: str, expect_rc: int = 0) -> list[dict] | str:
+def run(model: str, config: dict | str, *prompts: str, expect_rc: int = 0, figures: dict | None = None) -> list[dict] | str:
+    """The outputs of `prompts` in a fresh engine process; `figures` receives kvtier's worker figures."""
     cfg = config if isinstance(config, str) else json.dumps(config)
     proc = subprocess.run([sys.executable, "-m", "tests.vllm.scenario", model, cfg, *prompts], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
@@ -35,7 +36,10 @@ def run(model: str, config: dict | str, *prompts: str, expect_rc: int = 0) -> li
         assert proc.returncode != 0, proc.stdout[-2000:]
         return proc.stderr
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    if figures is not None:
+        figures.update(data["kvtier"])
+    return data["requests"]
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -82,7 +86,9 @@ def test_corrupt_disk_block_is_recomputed_not_served(tiny_model, engine_only, tm
             byte = f.read(1)
             f.seek(4096 + 10)
             f.write(bytes([byte[0] ^ 0xFF]))
-    out = run(tiny_model, config, "A")
+    figures: dict = {}
+    out = run(tiny_model, config, "A", figures=figures)
+    assert figures["integrity_failures"]["disk"] >= 1  # detected and counted
     assert out[0]["tokens"] == engine_only[0]["tokens"]
     assert max_diff(out[0], engine_only[0]) == 0.0  # recomputed in full, exactly as with kvtier off
 
@@ -113,3 +119,33 @@ def test_rollout_demo_keeps_outputs_identical_and_tiers_bounded(tmp_path):
             assert 0 < tier["used_bytes"] <= tier["capacity_bytes"]
     assert json.loads((tmp_path / "demo.json").read_text())["requests"] == 16
     assert (tmp_path / "ttft.png").stat().st_size > 10_000
+
+
+def test_stats_reach_prometheus_under_the_design_names():
+    """vLLM aggregates both halves' deltas and hands them to the connector's Prometheus metrics."""
+    import functools
+
+    import prometheus_client
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    from kvtier.integrations.vllm import KVTierConnector
+
+    config = VllmConfig(kv_transfer_config=KVTransferConfig(
+        kv_connector="KVTierConnector", kv_role="kv_both", kv_connector_module_path="kvtier.integrations.vllm"))
+    registry = prometheus_client.CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry)
+             for cls in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)}
+    prom = KVTierConnector.build_prom_metrics(config, types, ["model_name", "engine"], {0: ["tiny", 0]})
+    worker = KVTierConnector.build_kv_connector_stats(
+        {"counters": {"moves": {"disk|host": 3}, "integrity_failures": {"disk": 1}}, "gauges": {}})
+    scheduler = KVTierConnector.build_kv_connector_stats(
+        {"counters": {"lookup_tokens": {"host": 512, "miss": 256}, "moves": {"disk|host": 2}},
+         "gauges": {"tier_used_bytes": {"host": 4096}, "orphan_blocks": {"host": 0}}})
+    total = worker.aggregate(scheduler)
+    assert total.reduce()["moves[disk|host]"] == 5 and not total.is_empty()
+    prom.observe(total.data, 0)
+    text = prometheus_client.generate_latest(registry).decode()
+    assert 'kvtier_moves_total{dst="host",engine="0",model_name="tiny",src="disk"} 5.0' in text
+    assert 'kvtier_lookup_tokens_total{engine="0",model_name="tiny",source="host"} 512.0' in text
+    assert 'kvtier_integrity_failures_total{engine="0",model_name="tiny",tier="disk"} 1.0' in text
+    assert 'kvtier_tier_used_bytes{engine="0",model_name="tiny",tier="host"} 4096.0' in text

@@ -50,7 +50,12 @@ def main() -> None:
     # In-process, the engine steps only while a request runs; a served engine keeps stepping while the
     # connector has stores to drain (has_pending_push_work). A short request stands in for that idle time.
     llm.generate([TokensPrompt(prompt_token_ids=[5] * 8)], SamplingParams(max_tokens=2), use_tqdm=False)
-    print(json.dumps(results))
+    figures = {}
+    if kv is not None:  # the worker half lives in this process (in-process engine): its cumulative figures
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        figures = get_kv_transfer_group()._worker.metrics.snapshot()
+    print(json.dumps({"requests": results, "kvtier": figures}))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.setup import geometry, read_config
+from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
 
 if TYPE_CHECKING:
     import torch
@@ -104,6 +105,22 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.worker_meta()
+
+    # ---------------------------------------------------------------- stats (both halves; vLLM aggregates them)
+
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        half = self._scheduler or self._worker
+        stats = KVTierStats(half.stats_payload())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats:
+        return KVTierStats(data) if data is not None else KVTierStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVTierPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

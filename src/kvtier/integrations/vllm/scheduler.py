@@ -24,6 +24,7 @@ from kvtier.integrations.vllm.messages import (
     StoreJob,
 )
 from kvtier.integrations.vllm.setup import Geometry
+from kvtier.integrations.vllm.stats import Deltas
 from kvtier.keys import precomputed_keys
 from kvtier.tiers import tier_names, tier_specs
 
@@ -58,6 +59,7 @@ class SchedulerSide:
         self._deletes: list[Step] = []
         self._stores_in_flight = 0
         self.stats: Counter = Counter()
+        self._deltas = Deltas()
         self._recover()
 
     # ---------------------------------------------------------------- vLLM's scheduler hooks
@@ -117,6 +119,24 @@ class SchedulerSide:
         sources = [self._engine_blocks(block_ids, i, 0, len(keys) * self.geo.block_tokens) for i in range(len(keys))]
         self._stores.append(StoreJob(request.request_id, plan.chains, sources, holds=bool(puts)))
         return bool(puts), None
+
+    def stats_payload(self) -> dict:
+        """What changed in the directory since the last call, and the tiers' usage now."""
+        d = self.directory
+        tokens = {k: v * self.geo.block_tokens for k, v in d.stats.lookup_blocks.items()}
+        return {
+            "counters": {
+                "lookup_tokens": self._deltas.take("lookup_tokens", tokens),
+                "evictions": self._deltas.take("evictions", d.stats.evictions),
+                "admission_rejects": self._deltas.take("admission_rejects", d.stats.admission_rejects),
+                "stores_dropped": self._deltas.take("stores_dropped", d.stats.stores_dropped),
+            },
+            "gauges": {
+                "tier_used_bytes": {t.name: t.used_bytes for t in d.tiers},
+                "tier_capacity_bytes": {t.name: t.capacity_blocks * t.spec.block_bytes for t in d.tiers},
+                "orphan_blocks": d.orphans_by_tier(),
+            },
+        }
 
     def has_pending_work(self) -> bool:
         """Stores or deletes not yet shipped or not yet completed: the engine must keep stepping to drain them."""

@@ -19,6 +19,7 @@ from kvtier.config import KVTierConfig
 from kvtier.directory import Op, Plan, Status, Step
 from kvtier.integrations.vllm.messages import EngineBlocks, KVTierMetadata, KVTierWorkerMetadata, LoadJob, StoreJob
 from kvtier.integrations.vllm.setup import Geometry
+from kvtier.integrations.vllm.stats import Deltas
 from kvtier.metrics import Metrics
 from kvtier.mover import Mover, Store
 from kvtier.stores.disk import DiskStore
@@ -59,6 +60,7 @@ class WorkerSide:
         self._sending: set[str] = set()
         self._recving: set[str] = set()
         self._load_errors: set[int] = set()
+        self._deltas = Deltas()
         self._puts_left: dict[str, set[int]] = {}  # request id -> PUT steps still copying its engine blocks
         # vLLM's CPU backend binds its compute threads to cores; ours may run on any core of the machine
         self._cpus = set(range(os.cpu_count() or 1))
@@ -155,6 +157,17 @@ class WorkerSide:
         with self._lock:
             done, self._completions = self._completions, {}
         return KVTierWorkerMetadata({i: (s, 1) for i, s in done.items()}) if done else None
+
+    def stats_payload(self) -> dict:
+        """What the data plane did since the last call."""
+        moves = self.metrics.moves
+        with moves.lock:
+            return {"counters": {
+                "moves": self._deltas.take("moves", moves.moves),
+                "move_bytes": self._deltas.take("move_bytes", moves.bytes),
+                "integrity_failures": self._deltas.take("integrity_failures", moves.integrity_failures),
+                "stores_dropped": self._deltas.take("stores_dropped", moves.stores_dropped),
+            }, "gauges": {}}
 
     def shutdown(self) -> None:
         if self.mover is not None:
