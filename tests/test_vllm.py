@@ -27,16 +27,19 @@ def tiny_model(tmp_path_factory) -> str:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def run(model: str, config: dict | str, *prompts: str, expect_rc: int = 0, figures: dict | None = None) -> list[dict] | str:
-    """The outputs of `prompts` in a fresh engine process; `figures` receives kvtier's worker figures."""
+def run(model: str, config: dict | str, *prompts: str, expect_rc: int = 0, figures: dict | None = None,
+        separate_engine: bool = False) -> list[dict] | str:
+    """The outputs of `prompts` in a fresh process; `figures` receives kvtier's worker figures.
+    `separate_engine`: vLLM's default mode, the engine core in a process of its own."""
     cfg = config if isinstance(config, str) else json.dumps(config)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if separate_engine else "0"}
     proc = subprocess.run([sys.executable, "-m", "tests.vllm.scenario", model, cfg, *prompts], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
     if expect_rc:
         assert proc.returncode != 0, proc.stdout[-2000:]
         return proc.stderr
     assert proc.returncode == 0, proc.stderr[-4000:]
-    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    data = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"requests"')))
     if figures is not None:
         figures.update(data["kvtier"])
     return data["requests"]
@@ -61,6 +64,12 @@ def test_host_tier_restores_exactly(tiny_model, engine_only, tmp_path):
     assert restored["cached"] == 1920  # every block but the last came back from the host tier
     assert restored["tokens"] == engine_hit["tokens"] == engine_only[0]["tokens"]
     assert max_diff(restored, engine_hit) == 0.0
+
+
+def test_host_tier_in_a_separate_engine_process(tiny_model, engine_only):
+    out = run(tiny_model, {"cpu_bytes_to_use": 256 << 20}, *EVICT, separate_engine=True)
+    assert out[-1]["cached"] == 1920
+    assert out[-1]["tokens"] == engine_only[-1]["tokens"] and max_diff(out[-1], engine_only[-1]) == 0.0
 
 
 def test_disk_tier_restores_exactly_and_survives_a_restart(tiny_model, engine_only, tmp_path):

@@ -51,8 +51,8 @@ def main() -> None:
     # connector has stores to drain (has_pending_push_work). A short request stands in for that idle time.
     llm.generate([TokensPrompt(prompt_token_ids=[5] * 8)], SamplingParams(max_tokens=2), use_tqdm=False)
     figures = {}
-    if kv is not None:  # the worker half lives in this process (in-process engine): its cumulative figures
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
+    if kv is not None and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
+        from vllm.distributed.kv_transfer import get_kv_transfer_group  # the worker half lives in this process
 
         figures = get_kv_transfer_group()._worker.metrics.snapshot()
     print(json.dumps({"requests": results, "kvtier": figures}))
