@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, help="write every figure to this file")
     bench.add_argument("--quick", action="store_true", help="small sizes: a smoke test, not a measurement")
     bench.add_argument("--root", type=Path, help="directory for the disk benchmarks (default: system temp dir)")
+    bench.add_argument("--vllm", action="store_true", help="TTFT ratios on a real vLLM engine (CPU, tiny model): "
+                       "host and disk restores vs recompute and vs vLLM's own cache hit; no-reuse p99 on vs off")
 
     config = sub.add_parser("config", help="validate a config file and print it with defaults filled in")
     config.add_argument("file", type=Path)
@@ -71,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "demo":
             return _demo(args)
+        if args.command == "bench" and args.vllm:
+            from kvtier.integrations.vllm.bench import run_vllm_bench
+
+            run_vllm_bench(str(args.json) if args.json else None)
+            return 0
         if args.command == "bench":
             from kvtier import bench
 
