@@ -7,12 +7,13 @@ from kvtier.admission import AdmissionRule
 from kvtier.config import AdmissionConfig, KVTierConfig
 from kvtier.directory import TierSpec
 
-ALIGN = 4096  # host slots and disk payloads are aligned for O_DIRECT
+ALIGN = 4096  # page size and the O_DIRECT alignment: host slots and disk payloads start on it
 DISK_HEADER_NBYTES = ALIGN
 HOST = "host"
 
 
 def round_up(n: int, align: int = ALIGN) -> int:
+    """Smallest multiple of `align` that is >= n."""
     return -(-n // align) * align
 
 

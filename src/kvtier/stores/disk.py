@@ -30,11 +30,11 @@ import xxhash
 
 from kvtier import FORMAT_VERSION
 from kvtier.stores.base import ReadStatus, RecoveredBlock
-from kvtier.stores.host import ALIGN, round_up
+from kvtier.tiers import ALIGN, DISK_HEADER_NBYTES, disk_footprint, round_up
 
 MAGIC = b"KVTIER\x00\x01"
 MAX_KEY = 128  # bytes, for keys and parents alike
-HEADER_NBYTES = ALIGN
+HEADER_NBYTES = DISK_HEADER_NBYTES
 _FIELDS = struct.Struct("<8sI16sH128sBH128sQQ")  # magic version ns key_len key has_parent parent_len parent len xxh
 _CHECK = struct.Struct("<Q")  # xxh3_64 of the fields above
 _LONG_KEY = 96  # longer keys get a hashed file name: 2 * 128 hex chars would pass NAME_MAX (255)
@@ -130,8 +130,8 @@ class DiskStore:
 
     @property
     def footprint(self) -> int:
-        """Bytes one block occupies on disk: header + payload padded to 4096."""
-        return HEADER_NBYTES + self.padded_nbytes
+        """Bytes one block occupies on disk: header + payload padded to 4096 (what the directory counts)."""
+        return disk_footprint(self.payload_nbytes)
 
     def close(self) -> None:
         """Release the directory fd; the files stay for the next start's scan()."""

@@ -16,13 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-ALIGN = 4096  # page size and the O_DIRECT alignment: every slot (and every disk block) starts on it
+from kvtier.tiers import ALIGN as ALIGN, round_up  # every slot (and disk block) starts on ALIGN
+
 _HOST_REGISTER_PORTABLE = 1  # pinned for every device's context, as torch's own _pin_memory_utils does
-
-
-def round_up(n: int, align: int = ALIGN) -> int:
-    """Smallest multiple of `align` that is >= n."""
-    return (n + align - 1) // align * align
 
 
 def _as_blocks(t: torch.Tensor, n: int, payload_nbytes: int, what: str) -> torch.Tensor:
