@@ -74,7 +74,7 @@ class SchedulerSide:
             self._lookups.pop(request.request_id, None)
             return 0, False
         blocks = -(-(end - first * self.geo.block_tokens) // self.geo.block_tokens)
-        self._lookups[request.request_id] = (first, blocks, end)
+        self._lookups[request.request_id] = (first, blocks, end, num_computed_tokens)
         return promised, True
 
     def _last_loadable(self, request: Request) -> int:
@@ -86,14 +86,16 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0 or request.request_id not in self._lookups:
             return
-        first, promised, end = self._lookups.pop(request.request_id)
+        # vLLM has not updated request.num_computed_tokens yet (and after a failed load it is stale): the local
+        # hit it told us in get_num_new_matched_tokens is the truth about which engine blocks it already holds.
+        first, promised, end, local = self._lookups.pop(request.request_id)
         keys = self._keys(request)[first : first + promised]
         engine_ids = blocks.get_block_ids()[0]
-        skip = request.num_computed_tokens // self.geo.engine_block_size  # engine blocks vLLM already has
+        skip = local // self.geo.engine_block_size  # engine blocks vLLM already has
         plan = self.directory.plan_load(keys)
         self.directory.record_lookup(plan.sources, len(keys))
         for i, source in enumerate(plan.sources):  # tokens each tier really serves to this request
-            lo = max((first + i) * self.geo.block_tokens, request.num_computed_tokens)
+            lo = max((first + i) * self.geo.block_tokens, local)
             self.stats[f"tokens_{source}"] += max(0, min((first + i + 1) * self.geo.block_tokens, end) - lo)
         targets = [self._engine_blocks(engine_ids, first + i, skip, end) for i in range(len(keys))]
         unavailable = [b for t in targets[len(plan.keys) :] for b in t if b is not None]
