@@ -28,8 +28,9 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 def run(model: str, config: dict | str, *prompts: str, expect_rc: int = 0, figures: dict | None = None,
-        separate_engine: bool = False) -> list[dict] | str:
-    """The outputs of `prompts` in a fresh process; `figures` receives kvtier's worker figures.
+        prometheus: dict | None = None, separate_engine: bool = False) -> list[dict] | str:
+    """The outputs of `prompts` in a fresh process; `figures` receives kvtier's worker figures, `prometheus`
+    the engine's kvtier series (both halves, aggregated by vLLM).
     `separate_engine`: vLLM's default mode, the engine core in a process of its own."""
     cfg = config if isinstance(config, str) else json.dumps(config)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if separate_engine else "0"}
@@ -42,6 +43,8 @@ def run(model: str, config: dict | str, *prompts: str, expect_rc: int = 0, figur
     data = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"requests"')))
     if figures is not None:
         figures.update(data["kvtier"])
+    if prometheus is not None:
+        prometheus.update(data["prometheus"])
     return data["requests"]
 
 
@@ -100,6 +103,15 @@ def test_corrupt_disk_block_is_recomputed_not_served(tiny_model, engine_only, tm
     assert figures["integrity_failures"]["disk"] >= 1  # detected and counted
     assert out[0]["tokens"] == engine_only[0]["tokens"]
     assert max_diff(out[0], engine_only[0]) == 0.0  # recomputed in full, exactly as with kvtier off
+
+
+def test_full_store_queue_drops_stores_counts_them_and_requests_complete(tiny_model, engine_only):
+    prometheus: dict = {}
+    out = run(tiny_model, {"cpu_bytes_to_use": 256 << 20, "queue_depth": 1}, "A+B", "C", prometheus=prometheus)
+    # A and B finish in the same step: one store fills the queue, the other's 16 blocks (of 128 tokens) are dropped
+    assert prometheus['kvtier_stores_dropped_total{reason="queue_full"}'] == 16
+    assert prometheus['kvtier_moves_total{dst="host",src="caller"}'] == 16 + 16  # the other store, and C's
+    assert [o["tokens"] for o in out] == [engine_only[0]["tokens"], engine_only[1]["tokens"], engine_only[2]["tokens"]]
 
 
 def test_bad_config_stops_the_engine_naming_the_field(tiny_model):

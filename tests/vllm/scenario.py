@@ -2,8 +2,8 @@
 
 Run as a subprocess by the tests: each engine gets a fresh process, as a served engine would.
     python -m tests.vllm.scenario MODEL_DIR CONFIG_JSON|off PROMPTS...
-PROMPTS name seeded 2048-token prompts: A, B, C, D. The engine's KV cache holds 48 blocks of 128 tokens,
-so three other prompts evict a fourth.
+PROMPTS name seeded 2048-token prompts: A, B, C, D; `A+B` submits A and B together. The engine's KV cache
+holds 48 blocks of 128 tokens, so three other prompts evict a fourth.
 """
 
 from __future__ import annotations
@@ -21,6 +21,19 @@ def prompt(name: str, n: int = 2048) -> list[int]:
     return [rng.randrange(3, 32000) for _ in range(n)]
 
 
+def kvtier_series() -> dict[str, float]:
+    """The engine's kvtier samples in Prometheus' registry, `name{label="value",...}` without vLLM's labels."""
+    from prometheus_client import REGISTRY
+
+    out = {}
+    for family in REGISTRY.collect():
+        for s in family.samples:
+            if s.name.startswith("kvtier_") and not s.name.endswith("_created"):
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k not in ("engine", "model_name"))
+                out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
 def main() -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -32,15 +45,17 @@ def main() -> None:
     llm = start_engine(model, kv)
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, detokenize=False)
     results = []
-    for name in names:
+    for names_together in names:
+        together = names_together.split("+")
         start = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt(name))], params, use_tqdm=False)[0]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=prompt(n)) for n in together], params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        completion = out.outputs[0]
-        results.append({
-            "prompt": name, "tokens": list(completion.token_ids), "cached": out.num_cached_tokens,
-            "logprobs": [next(iter(d.values())).logprob for d in completion.logprobs], "seconds": seconds,
-        })
+        for name, out in zip(together, outs):
+            completion = out.outputs[0]
+            results.append({
+                "prompt": name, "tokens": list(completion.token_ids), "cached": out.num_cached_tokens,
+                "logprobs": [next(iter(d.values())).logprob for d in completion.logprobs], "seconds": seconds,
+            })
         time.sleep(0.2)  # let finished requests' stores complete, as idle time between requests would
     # In-process, the engine steps only while a request runs; a served engine keeps stepping while the
     # connector has stores to drain (has_pending_push_work). A short request stands in for that idle time.
@@ -50,7 +65,7 @@ def main() -> None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group  # the worker half lives in this process
 
         figures = get_kv_transfer_group()._worker.metrics.snapshot()
-    print(json.dumps({"requests": results, "kvtier": figures}))
+    print(json.dumps({"requests": results, "kvtier": figures, "prometheus": kvtier_series()}))
 
 
 if __name__ == "__main__":

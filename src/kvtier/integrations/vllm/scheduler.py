@@ -58,6 +58,7 @@ class SchedulerSide:
         self._stores: list[StoreJob] = []
         self._deletes: list[Step] = []
         self._stores_in_flight = 0
+        self._dropped: Counter = Counter()  # reason -> blocks this half refused to store
         self.stats: Counter = Counter()
         self._deltas = Deltas()
         self._recover()
@@ -111,7 +112,7 @@ class SchedulerSide:
         if not keys:
             return False, None
         if self._stores_in_flight >= self.config.queue_depth:
-            self.stats["stores_dropped_queue_full"] += len(keys)
+            self._dropped["queue_full"] += len(keys)
             return False, None
         plan = self.directory.plan_store(keys)
         puts = [s for c in plan.chains for s in c if s.op is Op.PUT]
@@ -131,7 +132,7 @@ class SchedulerSide:
                 "lookup_tokens": self._deltas.take("lookup_tokens", tokens),
                 "evictions": self._deltas.take("evictions", d.stats.evictions),
                 "admission_rejects": self._deltas.take("admission_rejects", d.stats.admission_rejects),
-                "stores_dropped": self._deltas.take("stores_dropped", d.stats.stores_dropped),
+                "stores_dropped": self._deltas.take("stores_dropped", d.stats.stores_dropped + self._dropped),
             },
             "gauges": {
                 "tier_used_bytes": {t.name: t.used_bytes for t in d.tiers},
