@@ -1,0 +1,209 @@
+"""Simulator benchmark: kvtier's miss-ratio curve and fast replay against libCacheSim, in the same run.
+
+- mrc_vs_libcachesim        time for the whole LRU miss-ratio curve of the Mooncake conversation trace (every
+                            capacity, `lru_mrc` over the parsed requests) / time libCacheSim's C simulator
+                            (`process_trace` over the same block sequence, pre-converted to its binary
+                            oracleGeneral format, hash table sized to the trace) needs for 10 capacities.
+                            Target < 1. The hit counts of both at those 10 capacities must agree exactly.
+- replay_*_accesses_per_s   `fast_replay` through kvtier's own LRU, ARC and S3-FIFO policy objects, beside
+                            libCacheSim's speed on the same sequence and capacity: its C loop, and a Python
+                            loop calling its `get` per access (the same harness cost as ours).
+
+Ours and the baseline alternate so that they share the machine's noise; figures are medians over the
+repeats, and ratios are medians of the per-repeat ratios. Trace parsing is timed apart (`trace_parse_s`):
+libCacheSim gets its trace already converted, we get ours already parsed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.sim.fast_replay import fast_replay
+from kvtier.sim.mrc import lru_mrc
+from kvtier.traces.mooncake import read_mooncake
+from kvtier.traces.request import TraceRequest
+
+TARGETS = {"mrc_vs_libcachesim": 1.0, "replay_lru_accesses_per_s": 1_000_000}  # below / at least
+TRACE_NAME = "mooncake/conversation_trace.jsonl"
+MRC_POINTS = 10
+REPLAY_CAPACITY_TOKENS = 3_000_000  # Figure 9's annotated point: one node's DRAM for LLaMA3-70B
+POLICIES = ("lru", "arc", "s3fifo")
+
+
+def default_trace() -> Path:
+    """The shared traces folder next to the repository, or $KVTIER_TRACES_DIR."""
+    root = os.environ.get("KVTIER_TRACES_DIR") or Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+    return Path(root) / TRACE_NAME
+
+
+def run(quick: bool = False, trace: str | Path | None = None) -> dict[str, Any]:
+    """Every figure of the simulator benchmark, as a dict. `quick`: fewer repeats and a shorter replay."""
+    path = Path(trace) if trace is not None else default_trace()
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: the Mooncake conversation trace (set KVTIER_TRACES_DIR to its folder)")
+    repeats = 3 if quick else 7
+    started = time.perf_counter()
+    requests = list(read_mooncake(path))
+    parse_s = time.perf_counter() - started
+    blocks = np.fromiter((b for r in requests for b in r.blocks), dtype=np.int64)
+    distinct = int(blocks.max()) + 1 if len(blocks) else 0
+    result: dict[str, Any] = {
+        "trace": str(path),
+        "requests": len(requests),
+        "accesses": len(blocks),
+        "distinct_blocks": distinct,
+        "trace_parse_s": parse_s,
+        "repeats": repeats,
+        "targets": TARGETS,
+    }
+    try:
+        import libcachesim  # a test dependency: without it only our own speeds are reported
+    except ImportError:
+        libcachesim = None
+        result["libcachesim"] = "not installed"
+    replay_requests = requests if not quick else _first_accesses(requests, 60_000)
+    replay_blocks = blocks[: sum(len(r.blocks) for r in replay_requests)]
+    capacity = REPLAY_CAPACITY_TOKENS // requests[0].block_tokens
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-sim-") as tmp:
+        if libcachesim is None:
+            result |= _mrc_alone(requests, repeats)
+            result |= _replay_alone(replay_requests, capacity, repeats)
+        else:
+            oracle = _Oracle(libcachesim, blocks, distinct, Path(tmp))
+            result |= _mrc_case(requests, oracle, repeats)
+            replay_oracle = _Oracle(libcachesim, replay_blocks, distinct, Path(tmp) / "replay")
+            result |= _replay_case(replay_requests, replay_oracle, capacity, repeats)
+    result["replay_capacity_blocks"] = capacity
+    result["replay_accesses"] = len(replay_blocks)
+    result["targets_met"] = {
+        "mrc_vs_libcachesim": result.get("mrc_vs_libcachesim") is not None
+        and result["mrc_vs_libcachesim"] < TARGETS["mrc_vs_libcachesim"],
+        "replay_lru_accesses_per_s": result["replay_lru_accesses_per_s"] >= TARGETS["replay_lru_accesses_per_s"],
+    }
+    return result
+
+
+class _Oracle:
+    """libCacheSim on one block sequence: its C simulator over a binary trace, or a Python loop of `get`."""
+
+    def __init__(self, lcs: Any, blocks: np.ndarray, distinct: int, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        record = np.dtype([("time", "<u4"), ("obj_id", "<u8"), ("obj_size", "<u4"), ("next_access_vtime", "<i8")])
+        rows = np.zeros(len(blocks), dtype=record)
+        rows["time"] = np.arange(len(blocks))
+        rows["obj_id"] = blocks
+        rows["obj_size"] = 1
+        rows["next_access_vtime"] = -1
+        self.path = folder / "blocks.oracleGeneral"
+        rows.tofile(self.path)
+        self.lcs = lcs
+        self.blocks = blocks.tolist()
+        self.distinct = distinct
+        self.hashpower = max(16, math.ceil(math.log2(max(distinct, 2))))  # its default (24) costs more than the run
+        self.reader = lcs.TraceReader(str(self.path), lcs.TraceType.ORACLE_GENERAL_TRACE)
+        self.classes = {"lru": lcs.LRU, "arc": lcs.ARC, "s3fifo": lcs.S3FIFO}
+
+    def c_hits(self, policy: str, capacity: int) -> int:
+        cache = self.classes[policy](cache_size=capacity, hashpower=self.hashpower)
+        miss_ratio, _ = cache.process_trace(self.reader)
+        return len(self.blocks) - round(miss_ratio * len(self.blocks))
+
+    def python_hits(self, policy: str, capacity: int) -> int:
+        get = self.classes[policy](cache_size=capacity, hashpower=self.hashpower).get
+        req = self.lcs.Request()
+        req.obj_size = 1
+        hits = 0
+        for block in self.blocks:
+            req.obj_id = block
+            hits += get(req)
+        return hits
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    started = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - started, out
+
+
+def _mrc_case(requests: list[TraceRequest], oracle: _Oracle, repeats: int) -> dict[str, Any]:
+    points = sorted({int(c) for c in np.geomspace(16, max(oracle.distinct, 16), MRC_POINTS)})
+    ours_s, theirs_s, ratios = [], [], []
+    equal = True
+    for _ in range(repeats):
+        t_ours, curve = _timed(lambda: lru_mrc(requests))
+        t_theirs, hits = _timed(lambda: [oracle.c_hits("lru", c) for c in points])
+        equal &= hits == [curve.hits(c) for c in points]
+        ours_s.append(t_ours)
+        theirs_s.append(t_theirs)
+        ratios.append(t_ours / t_theirs)
+    return {
+        "mrc_s": statistics.median(ours_s),
+        "libcachesim_lru_points": points,
+        "libcachesim_lru_points_s": statistics.median(theirs_s),
+        "libcachesim_hashpower": oracle.hashpower,
+        "mrc_vs_libcachesim": statistics.median(ratios),
+        "mrc_equals_libcachesim": equal,
+    }
+
+
+def _mrc_alone(requests: list[TraceRequest], repeats: int) -> dict[str, Any]:
+    return {"mrc_s": statistics.median(_timed(lambda: lru_mrc(requests))[0] for _ in range(repeats)),
+            "mrc_vs_libcachesim": None}
+
+
+def _replay_case(requests: list[TraceRequest], oracle: _Oracle, capacity: int, repeats: int) -> dict[str, Any]:
+    n = len(oracle.blocks)
+    out: dict[str, Any] = {}
+    for policy in POLICIES:
+        runs = {
+            "ours": partial(fast_replay, requests, policy, capacity),
+            "c": partial(oracle.c_hits, policy, capacity),
+            "python": partial(oracle.python_hits, policy, capacity),
+        }
+        speeds: dict[str, list[float]] = {name: [] for name in runs}
+        results: dict[str, Any] = {}
+        for _ in range(repeats):
+            for name, fn in runs.items():
+                seconds, results[name] = _timed(fn)
+                speeds[name].append(n / seconds)
+        out[f"replay_{policy}_accesses_per_s"] = statistics.median(speeds["ours"])
+        out[f"libcachesim_{policy}_accesses_per_s"] = statistics.median(speeds["c"])
+        out[f"libcachesim_py_{policy}_accesses_per_s"] = statistics.median(speeds["python"])
+        out[f"replay_{policy}_vs_libcachesim"] = statistics.median(
+            a / b for a, b in zip(speeds["ours"], speeds["c"], strict=True)
+        )
+        out[f"replay_{policy}_vs_libcachesim_py"] = statistics.median(
+            a / b for a, b in zip(speeds["ours"], speeds["python"], strict=True)
+        )
+        out[f"replay_{policy}_hit_ratio"] = results["ours"].hit_ratio
+        out[f"libcachesim_{policy}_hit_ratio"] = results["c"] / n
+    return out
+
+
+def _replay_alone(requests: list[TraceRequest], capacity: int, repeats: int) -> dict[str, Any]:
+    n = sum(len(r.blocks) for r in requests)
+    out: dict[str, Any] = {}
+    for policy in POLICIES:
+        run_once = partial(fast_replay, requests, policy, capacity)
+        out[f"replay_{policy}_accesses_per_s"] = statistics.median(n / _timed(run_once)[0] for _ in range(repeats))
+    return out
+
+
+def _first_accesses(requests: list[TraceRequest], accesses: int) -> list[TraceRequest]:
+    out, total = [], 0
+    for request in requests:
+        if total >= accesses:
+            break
+        out.append(request)
+        total += len(request.blocks)
+    return out

@@ -1,0 +1,88 @@
+"""The kvtier JSONL trace format (defined in `kvtier.traces.request`): what our generators write.
+
+A `tokens` line is cut into blocks of the reader's `block_tokens` and named with the same chained sha256 keys
+the runtime uses (`kvtier.keys.chain_keys`), so two requests share a block exactly when they share the whole
+prefix up to it; a trailing partial block gets a key too (chained the same way), as in the Mooncake traces.
+A `keys` line brings its own prefix-chained keys (hex strings or ints) and must say its `block_tokens`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from kvtier.keys import chain_keys
+from kvtier.traces.fields import Path, count, interned, is_int, json_lines, label, number, priority
+from kvtier.traces.request import TraceError, TraceRequest
+
+DEFAULT_BLOCK_TOKENS = 256
+
+
+def read_kvtier_jsonl(path: Path, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> Iterator[TraceRequest]:
+    """Stream the requests of a kvtier JSONL trace; a malformed line raises TraceError (file, line, field)."""
+    if block_tokens <= 0:
+        raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
+    table: dict[Any, int] = {}
+    for line, obj in json_lines(path):
+        timestamp = number(obj, "timestamp", path, line)
+        has_tokens, has_keys = "tokens" in obj, "keys" in obj
+        if has_tokens == has_keys:
+            problem = "a line needs exactly one of 'tokens' and 'keys'"
+            raise TraceError(path, line, "tokens" if not has_tokens else "keys", problem)
+        if has_tokens:
+            keys = _token_keys(obj["tokens"], block_tokens, path, line)
+            size = block_tokens
+            default_input = len(obj["tokens"])
+        else:
+            keys = _given_keys(obj["keys"], path, line)
+            size = count(obj, "block_tokens", path, line, minimum=1)
+            default_input = len(keys) * size
+        yield TraceRequest(
+            timestamp=float(timestamp),
+            blocks=interned(table, keys),
+            input_tokens=count(obj, "input_length", path, line, default=default_input),
+            output_tokens=count(obj, "output_length", path, line, default=0),
+            block_tokens=size,
+            session=label(obj, "session", path, line),
+            tenant=label(obj, "tenant", path, line),
+            priority=priority(obj, path, line),
+        )
+
+
+def _token_keys(tokens: object, block_tokens: int, path: Path, line: int) -> list[bytes]:
+    if not isinstance(tokens, list):
+        raise TraceError(path, line, "tokens", f"expected a list of token ids, got {type(tokens).__name__}")
+    if not tokens:
+        raise TraceError(path, line, "tokens", "empty")
+    try:
+        keys = chain_keys(tokens, block_tokens)
+        tail = len(tokens) % block_tokens
+        if tail:  # the partial last block, chained after the full ones
+            keys += chain_keys(tokens[-tail:], tail, parent=keys[-1]) if keys else chain_keys(tokens, tail)
+    except (TypeError, OverflowError):
+        bad = next((t for t in tokens if not is_int(t) or not 0 <= t < 2**32), None)
+        raise TraceError(path, line, "tokens", f"token ids must be ints in [0, 2**32), got {bad!r}") from None
+    return keys
+
+
+def _given_keys(keys: object, path: Path, line: int) -> list[int]:
+    """Keys as ints, whether written as ints or hex strings ("ff" and 255 are the same key)."""
+    if not isinstance(keys, list):
+        raise TraceError(path, line, "keys", f"expected a list of keys, got {type(keys).__name__}")
+    if not keys:
+        raise TraceError(path, line, "keys", "empty")
+    out: list[int] = []
+    for i, key in enumerate(keys):
+        if is_int(key) and key >= 0:
+            out.append(key)
+            continue
+        if isinstance(key, str):
+            try:
+                value = int(key, 16)
+            except ValueError:
+                value = -1
+            if value >= 0:
+                out.append(value)
+                continue
+        raise TraceError(path, line, "keys", f"item {i} is not a hex string or an int >= 0: {key!r}")
+    return out
