@@ -489,3 +489,12 @@ def test_making_room_never_frees_a_slot_that_a_demotion_still_reads() -> None:
     assert d.lookup([b"v"]) == ["host"] and "disk" in d.residency(b"v")
     host = d.tier["host"]
     assert host.used_blocks + len(host.free_slots) == host.capacity_blocks
+
+
+def test_store_on_second_sighting_stores_the_whole_chain_the_second_time() -> None:
+    d = Directory([TierSpec("host", 8, 1, slotted=True, admission=AdmissionRule(min_sightings=2))])
+    keys = [bytes([i]) * 32 for i in range(4)]
+    assert done(d, d.plan_store(keys)).chains == []  # first sighting: nothing stored
+    second = done(d, d.plan_store(keys))
+    assert [s.key for c in second.chains for s in c if s.op is Op.PUT] == keys  # not just the first block
+    assert d.stats.admission_rejects[("host", "sightings")] == 1

@@ -302,6 +302,9 @@ class Directory:
             reason = self._store_refusal(key, parent_key, priority, first)
             if reason is not None:
                 self.stats.stores_dropped[reason] += len(keys) - i
+                for later in keys[i + 1 :]:  # seen too: with "store on the second sighting", the next request
+                    if later not in self._blocks:  # stores the whole chain, not one more block
+                        self._sight(later)
                 break
             chain: list[Step] = []
             try:
@@ -344,16 +347,21 @@ class Directory:
             return "retiring"
         if parent_key is not None and parent_key not in self._blocks:
             return "orphan"
-        seen = self._sightings.get(key, 0) + 1
-        self._sightings[key] = seen
-        self._sightings.move_to_end(key)
-        if len(self._sightings) > self._sightings_capacity:
-            self._sightings.popitem(last=False)
+        seen = self._sight(key)
         reason = first.spec.admission.reject_reason(priority, seen, first.spec.block_bytes, self.clock())
         if reason is not None:
             self.stats.admission_rejects[(first.name, reason)] += 1
             return "admission"
         return None
+
+    def _sight(self, key: bytes) -> int:
+        """Count a sighting of a block not stored (bounded memory: the oldest sightings are forgotten)."""
+        seen = self._sightings.get(key, 0) + 1
+        self._sightings[key] = seen
+        self._sightings.move_to_end(key)
+        if len(self._sightings) > self._sightings_capacity:
+            self._sightings.popitem(last=False)
+        return seen
 
     def _copy_down(
         self, block: Block, src: Tier, dst: Tier, chain: list[Step], src_slot: int | None = None,
