@@ -67,7 +67,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler.build_connector_meta()
+        return self._scheduler.build_connector_meta(idle=scheduler_output.total_num_scheduled_tokens == 0)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
@@ -95,7 +95,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return None  # stores copy finished requests' blocks, which vLLM holds for us
 
     def wait_for_save(self) -> None:
-        return None
+        self._worker.wait_if_idle(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.get_finished(finished_req_ids)

@@ -34,6 +34,7 @@ class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
     deletes: list[Step] = field(default_factory=list)  # garbage: files of dropped blocks
+    idle: bool = False  # the engine computes nothing this step: a worker may wait for its stores instead
 
 
 @dataclass

@@ -145,8 +145,8 @@ class SchedulerSide:
         """Stores or deletes not yet shipped or not yet completed: the engine must keep stepping to drain them."""
         return bool(self._stores or self._deletes or any(p.kind != "load" for p in self._pending.values()))
 
-    def build_connector_meta(self) -> KVTierMetadata:
-        meta = KVTierMetadata(self._loads, self._stores, self._deletes)
+    def build_connector_meta(self, idle: bool) -> KVTierMetadata:
+        meta = KVTierMetadata(self._loads, self._stores, self._deletes, idle)
         self._loads, self._stores, self._deletes = [], [], []
         return meta
 

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 0.005  # longest an idle engine step waits for a store, so a new request is not held back long
+
 
 def engine_pages(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[torch.Tensor]:
     """Every layer's KV as uint8 `(num_blocks, page)` views, in layer order (no copy)."""
@@ -56,6 +58,7 @@ class WorkerSide:
         self.mover: Mover | None = None
         self.metrics = Metrics(None, geo.block_tokens)
         self._lock = threading.Lock()
+        self._sent = threading.Condition(self._lock)  # a held request's blocks are all copied out
         self._completions: dict[int, Status] = {}
         self._sending: set[str] = set()
         self._recving: set[str] = set()
@@ -134,7 +137,15 @@ class WorkerSide:
                             if not left:
                                 del self._puts_left[request_id]
                                 self._sending.add(request_id)
+                                self._sent.notify_all()
                             break
+
+    def wait_if_idle(self, meta: KVTierMetadata) -> None:
+        """An idle engine step (requests waiting for blocks our stores hold) would loop at once, holding the
+        GIL our copy threads need: on such a step, wait a moment for a held request to be released instead."""
+        if meta.idle:
+            with self._sent:
+                self._sent.wait_for(lambda: self._sending or not self._puts_left, timeout=IDLE_WAIT_S)
 
     # ---------------------------------------------------------------- what vLLM collects after each step
 
