@@ -4,9 +4,16 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv test bench demo clean
+SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-venv: $(STAMP)
+.PHONY: venv redis-server test bench demo clean
+
+venv: $(STAMP) redis-server
+
+# The shared tier's tests and bench start a real redis-server (Debian's package); installed when missing.
+redis-server:
+	@command -v redis-server >/dev/null || ($(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q redis-server)
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)

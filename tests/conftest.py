@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -35,3 +37,19 @@ def random_blocks(n: int, dtype=torch.bfloat16, seed: int = 0) -> list[torch.Ten
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on a free loopback port, stopped (by pid) after the test. Missing binary: a skip
+    on a laptop, a failure in CI (`CI=true`), where `make test` installs it."""
+    from tests.redis_server import RedisServer, redis_server_binary
+
+    binary = redis_server_binary()
+    if binary is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("redis-server is not installed (make venv installs it: apt-get install redis-server)")
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = RedisServer(binary, tmp_path / "redis").start()
+    yield server
+    server.stop()

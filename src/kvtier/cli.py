@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from kvtier import __version__
+from kvtier.analyze import commands as decide
 from kvtier.config import ConfigError, parse_config
 
 EXIT_BAD_INPUT = 2
@@ -20,7 +21,7 @@ commands:
   demo     run a shared-prefix workload in-process through the tiers and print what each tier served
   bench    measure the tiers against plain baselines on this machine (ratios, medians of several runs)
   config   validate a kvtier config file (the JSON you pass as kv_connector_extra_config)
-"""
+""" + decide.HELP
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="validate a config file and print it with defaults filled in")
     config.add_argument("file", type=Path)
+    decide.add_commands(sub)
     return parser
 
 
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_BAD_INPUT
     try:
+        if args.command in decide.COMMANDS:
+            return decide.run(args)
         if args.command == "config":
             print(parse_config(args.file).model_dump_json(indent=2))
             return 0

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
+    PositiveFloat,
     PositiveInt,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -73,7 +77,63 @@ class FsTierConfig(_Strict):
         return root
 
 
-SecondaryTier = Annotated[FsTierConfig, Field(discriminator="type")]
+class RedisTierConfig(_Strict):
+    """The shared tier: blocks in Redis/Valkey, shared by every engine that uses the same url and key_prefix.
+
+    TLS and credentials go in the URL as redis-py reads it (`rediss://user:password@host:6380/0`); the
+    ssl_* fields are passed through to redis-py for certificates.
+    """
+
+    type: Literal["redis"]
+    url: str
+    max_bytes: PositiveInt  # bound on all engines' values under key_prefix (headers included)
+    key_prefix: str = Field("kvtier:", max_length=200)
+    socket_timeout_s: PositiveFloat = 1.0  # one send or receive; a slower server counts as a failure
+    connect_timeout_s: PositiveFloat = 0.5
+    pool_size: PositiveInt = 16  # connections per worker; mover threads beyond it wait for one
+    breaker_failures: PositiveInt = 3  # consecutive failures that open the circuit breaker
+    breaker_cooldown_s: PositiveFloat = 2.0  # open this long, then one probe call
+    n_read_threads: PositiveInt = 8
+    n_write_threads: PositiveInt = 4
+    write_policy: Literal["write_back", "write_through"] = "write_back"
+    admission: AdmissionConfig = AdmissionConfig()
+    ssl_ca_certs: Path | None = None
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+    ssl_cert_reqs: Literal["required", "optional", "none"] = "required"
+
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("must start with redis://, rediss:// (TLS) or unix://")
+        if parts.scheme != "unix" and not parts.hostname:
+            raise ValueError("names no host")
+        try:
+            parts.port  # noqa: B018  (raises on a bad port)
+        except ValueError:
+            raise ValueError("has a bad port") from None
+        return url
+
+    @field_validator("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+    @classmethod
+    def _tls_needs_rediss(cls, path: Path | None, info: ValidationInfo) -> Path | None:
+        url = info.data.get("url")
+        if path is not None and url is not None and urlsplit(url).scheme != "rediss":
+            raise ValueError("needs a rediss:// url (TLS)")
+        return path
+
+    def connection_kwargs(self) -> dict[str, Any]:
+        """What RedisStore passes to redis-py beyond the URL: the TLS files, only when TLS is on."""
+        if urlsplit(self.url).scheme != "rediss":
+            return {}
+        files = {name: str(getattr(self, name)) for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+                 if getattr(self, name) is not None}  # fmt: skip
+        return {**files, "ssl_cert_reqs": self.ssl_cert_reqs}
+
+
+SecondaryTier = Annotated[FsTierConfig | RedisTierConfig, Field(discriminator="type")]
 
 
 class KVTierConfig(_Strict):
@@ -97,6 +157,9 @@ class KVTierConfig(_Strict):
         roots = [t.root_dir.resolve() for t in self.secondary_tiers if t.type == "fs"]
         if len(set(roots)) != len(roots):
             raise ValueError("two fs tiers share one root_dir")
+        shared = [(t.url, t.key_prefix) for t in self.secondary_tiers if t.type == "redis"]
+        if len(set(shared)) != len(shared):
+            raise ValueError("two redis tiers share one url and key_prefix")
         return self
 
     @property
@@ -111,7 +174,7 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part == "fs":
+        elif part in ("fs", "redis"):
             continue  # the discriminator's tag is not a field
         else:
             path += f".{part}" if path else str(part)
@@ -143,8 +206,10 @@ def parse_config(data: dict[str, Any] | str | os.PathLike[str]) -> KVTierConfig:
             field = _field_path(err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "union_tag_invalid":
-                msg = f"unknown tier type {err.get('input', {}).get('type')!r}; known types: fs"
+                msg = f"unknown tier type {err.get('input', {}).get('type')!r}; known types: fs, redis"
             got = err.get("input")
+            if isinstance(got, str) and field.endswith(".url"):
+                got = re.sub(r"//[^/@]*@", "//***@", got)  # never echo a password
             shown = "" if isinstance(got, (dict, list)) or err["type"] == "missing" else f" (got {got!r})"
             problems.append(f"{field}: {msg}{shown}")
         raise ConfigError("invalid kvtier config: " + "; ".join(problems)) from None

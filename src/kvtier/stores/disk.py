@@ -1,10 +1,10 @@
 """The local disk tier: one file per block, `root/<namespace>/<rank>/<xx>/<key hex>.kv`.
 
-A file is a 4096-byte header (magic, format version, namespace, key, parent, payload length and checksum,
-header checksum) and then the payload padded to 4096, so O_DIRECT can move it straight from and into a
-HostSlab slot. Writes go to a temp file that is renamed into place, so readers never see half a block; a
-torn, flipped or foreign file is detected (and removed) instead of served. No fsync: after a crash a torn
-file is just a miss.
+A file is blockformat's header (magic, format version, namespace, key, parent, payload length and checksum,
+header checksum) zero-padded to 4096 bytes, then the payload padded to 4096, so O_DIRECT can move it
+straight from and into a HostSlab slot. Writes go to a temp file that is renamed into place, so readers
+never see half a block; a torn, flipped or foreign file is detected (and removed) instead of served. No
+fsync: after a crash a torn file is just a miss.
 
 We never follow a symlink under the root: every path is opened relative to a directory fd with O_NOFOLLOW,
 and a link found anywhere is foreign junk: the link itself is removed, never its target.
@@ -19,37 +19,24 @@ import os
 import re
 import secrets
 import stat
-import struct
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import xxhash
 
-from kvtier import FORMAT_VERSION
+from kvtier.stores import blockformat
 from kvtier.stores.base import ReadStatus, RecoveredBlock
+from kvtier.stores.blockformat import Header, check_key, parse_header
 from kvtier.tiers import ALIGN, DISK_HEADER_NBYTES, disk_footprint, round_up
 
-MAGIC = b"KVTIER\x00\x01"
-MAX_KEY = 128  # bytes, for keys and parents alike
-HEADER_NBYTES = DISK_HEADER_NBYTES
-_FIELDS = struct.Struct("<8sI16sH128sBH128sQQ")  # magic version ns key_len key has_parent parent_len parent len xxh
-_CHECK = struct.Struct("<Q")  # xxh3_64 of the fields above
+HEADER_NBYTES = DISK_HEADER_NBYTES  # blockformat's header, zero-padded to the O_DIRECT alignment
 _LONG_KEY = 96  # longer keys get a hashed file name: 2 * 128 hex chars would pass NAME_MAX (255)
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _RD = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a planted FIFO cannot hang us
 _WR = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIRECT = getattr(os, "O_DIRECT", 0)
-
-
-class Header(NamedTuple):
-    namespace: bytes | None  # None: a kvtier file of another format version
-    key: bytes
-    parent: bytes | None
-    payload_nbytes: int
-    payload_xxh3: int
 
 
 def file_name(key: bytes) -> str:
@@ -70,11 +57,6 @@ def _buffer(t: torch.Tensor, nbytes: int, what: str) -> memoryview:
             f"got {t.dtype} {tuple(t.shape)} on {t.device}"
         )
     return memoryview(t.numpy()).cast("B")
-
-
-def _check_key(key: bytes, what: str = "key") -> None:
-    if not 0 < len(key) <= MAX_KEY:
-        raise ValueError(f"{what} must be 1..{MAX_KEY} bytes, got {len(key)}")
 
 
 def _aligned(t: torch.Tensor, nbytes: int) -> bool:
@@ -178,42 +160,16 @@ class DiskStore:
     # -- header -----------------------------------------------------------------------------------------
 
     def _pack_header(self, buf: memoryview, key: bytes, parent: bytes | None, payload_xxh: int) -> None:
-        p = parent or b""
-        fields = _FIELDS.pack(
-            MAGIC, FORMAT_VERSION, self._ns, len(key), key, parent is not None, len(p), p,
-            self.payload_nbytes, payload_xxh,
-        )  # fmt: skip
-        buf[: len(fields)] = fields
-        _CHECK.pack_into(buf, len(fields), xxhash.xxh3_64_intdigest(fields))
-        buf[len(fields) + _CHECK.size :] = bytes(HEADER_NBYTES - len(fields) - _CHECK.size)
+        blockformat.pack_header(buf, self._ns, key, parent, self.payload_nbytes, payload_xxh)
+        buf[blockformat.HEADER_NBYTES :] = bytes(HEADER_NBYTES - blockformat.HEADER_NBYTES)
 
-    @staticmethod
-    def _parse_header(buf: bytes | memoryview) -> Header | None:
-        """The header's fields, or None when torn or not a kvtier header.
-
-        A kvtier header of another format version is returned with namespace None (foreign, not corrupt).
-        """
-        if len(buf) < _FIELDS.size + _CHECK.size or bytes(buf[:8]) != MAGIC:
-            return None
-        magic, version, ns, klen, key, has_parent, plen, parent, length, xxh = _FIELDS.unpack_from(buf)
-        if version != FORMAT_VERSION:
-            return Header(None, b"", None, 0, 0)
-        (check,) = _CHECK.unpack_from(buf, _FIELDS.size)
-        if check != xxhash.xxh3_64_intdigest(buf[: _FIELDS.size]) or has_parent > 1:
-            return None
-        if not 0 < klen <= MAX_KEY or plen > MAX_KEY or (has_parent and plen == 0):
-            return None
-        return Header(ns, key[:klen], parent[:plen] if has_parent else None, length, xxh)
+    _parse_header = staticmethod(parse_header)
 
     def _classify(self, header: Header | None, name: str, size: int) -> ReadStatus:
         """OK when the header is ours, names this file and matches the file's size; headers only."""
-        if header is None:
-            return ReadStatus.CORRUPT
-        if header.namespace != self._ns or file_name(header.key) != name:
-            return ReadStatus.FOREIGN
-        if header.payload_nbytes != self.payload_nbytes or size != self.footprint:
-            return ReadStatus.CORRUPT
-        return ReadStatus.OK
+        return blockformat.classify(
+            header, self._ns, lambda key: file_name(key) == name, self.payload_nbytes, size == self.footprint
+        )
 
     # -- I/O ----------------------------------------------------------------------------------------------
 
@@ -230,9 +186,9 @@ class DiskStore:
 
     def write(self, key: bytes, parent: bytes | None, src: torch.Tensor) -> None:
         """Store `src` (CPU uint8, payload_nbytes) as block `key`; atomic: temp file, then rename."""
-        _check_key(key)
+        check_key(key)
         if parent is not None:
-            _check_key(parent, "parent")
+            check_key(parent, "parent")
         payload = _buffer(src, self.payload_nbytes, "src")
         name = file_name(key)
         sub = self._open_subdir(name, create=True)
@@ -270,7 +226,7 @@ class DiskStore:
 
         A CORRUPT or FOREIGN file is removed: it can never be served.
         """
-        _check_key(key)
+        check_key(key)
         out = _buffer(into, self.payload_nbytes, "into")
         name = file_name(key)
         sub = self._open_subdir(name, create=False)
@@ -340,7 +296,7 @@ class DiskStore:
 
     def delete(self, key: bytes) -> bool:
         """Remove block `key`; True if a file was removed, False if there was none."""
-        _check_key(key)
+        check_key(key)
         name = file_name(key)
         sub = self._open_subdir(name, create=False)
         if sub is None:

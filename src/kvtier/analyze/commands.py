@@ -1,0 +1,221 @@
+"""The decide-before-you-deploy commands: `kvtier generate`, `kvtier analyze`, `kvtier simulate`.
+
+Argument parsing lives here, next to what the commands do, so that `kvtier.cli` only hands over. Heavy
+imports happen inside the commands: `kvtier --help` stays fast. Bad input raises ValueError (a TraceError
+names file, line and field) or ConfigError; the CLI turns both into exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+COMMANDS = ("generate", "analyze", "simulate")
+GiB = 1 << 30
+
+HELP = """\
+  generate write a seeded synthetic trace (shared prefixes, RAG, sessions, unique prompts) as kvtier JSONL
+  analyze  the four questions of a trace (what is shared, when it comes back, block size, one-shot blocks)
+           and a verdict: does tiering fit this traffic, and why
+  simulate replay a trace through kvtier's directory on a virtual clock, several configurations side by side,
+           and print the one to deploy as --kv-transfer-config JSON
+"""
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    from kvtier.layout import PRESETS
+
+    gen = sub.add_parser("generate", help="write a seeded synthetic trace as kvtier JSONL",
+                         description="Workloads with known parameters: what `kvtier analyze` reports about them "
+                         "should match what was asked for (e.g. the mean think time of sessions).")
+    gen.add_argument("kind", choices=["shared", "unique", "sessions", "rag", "system"],
+                     help="shared: a mix of system prompts, RAG, sessions and unique prompts; the others one kind")
+    gen.add_argument("output", type=Path, help="the .jsonl file to write")
+    gen.add_argument("--requests", type=int, default=2000, help="requests (default 2000)")
+    gen.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    gen.add_argument("--rate", type=float, default=2.0, help="arrivals of new conversations per second (default 2)")
+    gen.add_argument("--think-time", type=float, default=30.0,
+                     help="mean seconds between a session's turns, exponential (default 30)")
+    gen.add_argument("--block-tokens", type=int, default=256, help="tokens per block (default 256)")
+
+    def deployment(p: argparse.ArgumentParser) -> None:
+        p.add_argument("trace", type=Path, help="Mooncake JSONL, kvtier JSONL or Azure 2023 CSV (format detected)")
+        p.add_argument("--model", default="llama-3.1-8b", choices=sorted(PRESETS), help="layout preset "
+                       "(default llama-3.1-8b)")
+        p.add_argument("--engine-kv-gib", type=float, default=40, help="the engine's KV cache memory (default 40)")
+        p.add_argument("--host-gib", type=float, default=256, help="host tier size (default 256)")
+        p.add_argument("--disk-gib", type=float, default=2048, help="disk tier size (default 2048)")
+        p.add_argument("--tflops", type=float, default=400, help="effective prefill TFLOP/s (default 400)")
+        p.add_argument("--pcie-gbs", type=float, default=25, help="host <-> GPU GB/s (default 25)")
+        p.add_argument("--disk-gbs", type=float, default=6, help="NVMe read GB/s (default 6)")
+        p.add_argument("--network-gbs", type=float, default=12.5, help="network GB/s (default 12.5 = 100 Gbit/s)")
+        p.add_argument("--block-tokens", type=int, help="block size for kvtier `tokens` and CSV traces")
+        p.add_argument("--json", type=Path, help="write every figure to this file")
+        p.add_argument("--html", type=Path, help="write one self-contained page with tables and plots")
+
+    analyze = sub.add_parser("analyze", help="does tiering fit this traffic? the four questions and a verdict",
+                             description="Reads the trace once: shared prefixes, reuse time and distance, a block "
+                             "size table, one-shot blocks, the LRU miss-ratio curve, and a verdict with reasons.")
+    deployment(analyze)
+    analyze.add_argument("--ttft-budget-ms", type=float, default=2000, help="p99 TTFT budget (default 2000)")
+
+    simulate = sub.add_parser("simulate", help="replay a trace through kvtier configurations; recommend one",
+                              description="Replays the trace through kvtier's directory (the runtime's own code) "
+                              "behind an LRU engine cache, on a virtual clock with a cost model. Without --config: "
+                              "engine only, + host (lru, arc, s3fifo, 2nd-sighting admission), + host + disk.")
+    deployment(simulate)
+    simulate.add_argument("--config", type=Path, action="append", metavar="FILE",
+                          help="a kvtier config JSON (or a whole --kv-transfer-config); repeat to compare several")
+    simulate.add_argument("--instances", type=int, help="prefill servers (default: recomputing every prompt "
+                          "would keep them 70%% busy)")
+    simulate.add_argument("--itl-ms", type=float, default=20, help="decode ms per output token (default 20)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "analyze":
+        return _analyze(args)
+    return _simulate(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from kvtier.traces.workloads import GENERATORS, generate_trace
+    from kvtier.traces.write import write_kvtier_jsonl
+
+    workload = replace(GENERATORS[args.kind], requests=args.requests, seed=args.seed, rate_per_s=args.rate,
+                       think_time_s=args.think_time, block_tokens=args.block_tokens)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    n = write_kvtier_jsonl(generate_trace(workload), args.output)
+    Console(stderr=True).print(f"wrote {n:,} requests to {args.output} ({workload})")
+    return 0
+
+
+def _cost(args: argparse.Namespace, itl_ms: float = 20):
+    from kvtier.sim.cost import cost_model
+
+    for name in ("engine_kv_gib", "host_gib", "disk_gib"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    return cost_model(args.model, args.tflops, args.pcie_gbs, args.disk_gbs, args.network_gbs, itl_ms)
+
+
+def _requests(args: argparse.Namespace):
+    """The trace's request stream, and notes on how it was read."""
+    from kvtier.traces.read import read_trace, trace_format
+
+    if not args.trace.is_file():
+        raise ValueError(f"{args.trace}: no such trace file")
+    notes = []
+    if trace_format(args.trace) == "azure":
+        from kvtier.traces.azure import SyntheticReuse
+
+        reuse = SyntheticReuse(block_tokens=args.block_tokens or SyntheticReuse().block_tokens)
+        notes.append(f"length-only trace: every reuse figure is the model's, not the traffic's ({reuse.describe()})")
+    return read_trace(args.trace, block_tokens=args.block_tokens), notes
+
+
+def _progress(console: Console, total: bool) -> Progress:
+    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+               MofNCompleteColumn() if total else TextColumn("{task.completed:,} requests"), TimeElapsedColumn()]
+    return Progress(*columns, console=console, transient=True)
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from kvtier.analyze.present import analysis_report
+    from kvtier.analyze.questions import Deployment, analyze
+    from kvtier.report import Text
+
+    if args.ttft_budget_ms <= 0:
+        raise ValueError(f"--ttft-budget-ms must be > 0, got {args.ttft_budget_ms}")
+    deployment = Deployment(_cost(args), int(args.engine_kv_gib * GiB), int(args.host_gib * GiB),
+                            int(args.disk_gib * GiB), args.ttft_budget_ms / 1e3)
+    started = time.perf_counter()
+    requests, notes = _requests(args)
+    err = Console(stderr=True)
+    with _progress(err, total=False) as progress:
+        task = progress.add_task(f"reading {args.trace.name}", total=None)
+
+        def counted():
+            for i, request in enumerate(requests, 1):
+                if not i % 1000:
+                    progress.update(task, completed=i)
+                yield request
+
+        analysis = analyze(counted(), deployment, str(args.trace))
+        report = analysis_report(analysis)
+    report.parts[1:1] = [Text(f"note: {n}", "yellow") for n in notes]
+    report.data["notes"] = notes
+    report.data["seconds"] = time.perf_counter() - started
+    _emit(report, args)
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from kvtier.sim.configs import SimConfig, builtin_configs, load_config_file
+    from kvtier.sim.present import simulation_report
+    from kvtier.sim.simulate import Deployment, auto_instances, simulate
+
+    if args.instances is not None and args.instances <= 0:
+        raise ValueError(f"--instances must be > 0, got {args.instances}")
+    cost = _cost(args, args.itl_ms)
+    configs = [load_config_file(path) for path in args.config or []]
+    started = time.perf_counter()
+    stream, notes = _requests(args)
+    requests = list(stream)
+    if not requests:
+        raise ValueError(f"{args.trace}: no requests")
+    sizes = {r.block_tokens for r in requests}
+    if len(sizes) > 1:
+        raise ValueError(f"{args.trace}: requests use different block sizes {sorted(sizes)}; simulate one at a time")
+    block_tokens = sizes.pop()
+    if configs:
+        configs.insert(0, SimConfig("engine only", None))  # the baseline every config is judged against
+        for c in configs[1:]:
+            if c.extra and c.extra.get("block_size", 256) != block_tokens:
+                notes.append(f"{c.name}: block_size {c.extra.get('block_size', 256)} differs from the trace's "
+                             f"{block_tokens} tokens per block; simulated at the trace's block size")
+    else:
+        configs = builtin_configs(block_tokens, int(args.host_gib * GiB), int(args.disk_gib * GiB),
+                                  any(r.priority is not None for r in requests))
+    dep = Deployment(cost, block_tokens, int(args.engine_kv_gib * GiB),
+                     args.instances or auto_instances(requests, cost))
+    err = Console(stderr=True)
+    with _progress(err, total=True) as progress:
+        task = progress.add_task(f"replaying {len(configs)} configurations", total=len(requests) * len(configs))
+        step = [0]
+
+        def advance() -> None:
+            step[0] += 1
+            if not step[0] % 500:
+                progress.update(task, completed=step[0])
+
+        results = simulate(requests, configs, dep, on_request=advance)
+    report = simulation_report(str(args.trace), results, dep, notes)
+    report.data["seconds"] = time.perf_counter() - started
+    _emit(report, args)
+    return 0
+
+
+def _emit(report, args: argparse.Namespace) -> None:
+    report.print(Console(width=max(Console().width, 140)))
+    if args.json:
+        report.write_json(args.json)
+    if args.html:
+        report.write_html(args.html)
+    done = [str(p) for p in (args.json, args.html) if p]
+    if done:
+        Console(stderr=True).print(f"wrote {', '.join(done)}")

@@ -1,0 +1,149 @@
+"""`redis_vs_raw`: what the Redis tier costs over plain redis-py, on the same bytes and the same server.
+
+For 256 KiB, 1 MiB and 4 MiB blocks: the tier's `put_many` / `get_many` (header, checksums, accounting
+script, copy into the caller's buffer) against a raw redis-py pipeline of SET / GET of the same payloads.
+Runs alternate (raw, tier, raw, tier, ...) so that drift on a shared machine hits both alike; we report the
+median throughput of each and their ratio (target >= 0.8). Starts its own redis-server on a free port.
+
+Where hiredis is installed, redis-py packs each SET into one buffer, copying the value, while the tier sends
+payloads straight from the caller's tensor: its puts then beat the raw baseline (ratios near 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+import redis
+import torch
+from redis.utils import HIREDIS_AVAILABLE
+
+from kvtier.stores.base import ReadStatus
+from kvtier.stores.redis import PutStatus, RedisStore
+
+SIZES = {"256KiB": 256 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
+NAMESPACE = "0" * 32
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[str]:
+    """A throwaway redis-server on a free loopback port, no persistence; yields its URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-") as tmp:
+        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", tmp, "--loglevel", "warning"]  # fmt: skip
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            client = redis.Redis(host="127.0.0.1", port=port)
+            for _ in range(500):
+                with contextlib.suppress(redis.exceptions.ConnectionError):
+                    if client.ping():
+                        break
+                if proc.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {proc.returncode}")
+                time.sleep(0.02)
+            client.close()
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _one_size(url: str, nbytes: int, n_blocks: int, batch: int, runs: int) -> dict:
+    """Median put and get throughput (bytes/s) of raw redis-py and of the tier, alternating runs."""
+    gen = torch.Generator().manual_seed(nbytes)
+    payloads = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen) for _ in range(n_blocks)]
+    views = [memoryview(p.numpy()) for p in payloads]
+    into = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n_blocks)]
+    keys = [i.to_bytes(16, "big") for i in range(n_blocks)]
+    raw_keys = [b"raw:" + k.hex().encode() for k in keys]
+    client = redis.Redis.from_url(url)
+    store = RedisStore(url, NAMESPACE, nbytes, max_bytes=4 * n_blocks * (nbytes + 4096), socket_timeout_s=30)
+    batches = [range(i, min(i + batch, n_blocks)) for i in range(0, n_blocks, batch)]
+
+    def raw_put() -> None:
+        for b in batches:
+            pipe = client.pipeline(transaction=False)
+            for i in b:
+                pipe.set(raw_keys[i], views[i])
+            pipe.execute()
+
+    def raw_get() -> None:
+        for b in batches:
+            pipe = client.pipeline(transaction=False)
+            for i in b:
+                pipe.get(raw_keys[i])
+            if any(v is None for v in pipe.execute()):
+                raise RuntimeError("raw GET missed")
+
+    def tier_put() -> None:
+        for b in batches:  # each batch one chain, as a request's blocks are
+            items = [(keys[i], keys[i - 1] if i != b.start else None, payloads[i]) for i in b]
+            if any(s is not PutStatus.STORED for s in store.put_many(items)):
+                raise RuntimeError("tier put failed")
+
+    def tier_get() -> None:
+        for b in batches:
+            if any(s is not ReadStatus.OK for s in store.get_many([keys[i] for i in b], [into[i] for i in b])):
+                raise RuntimeError("tier get missed")
+
+    times: dict[str, list[float]] = {"raw_put": [], "tier_put": [], "raw_get": [], "tier_get": []}
+    try:
+        for _ in range(runs):
+            client.flushdb()
+            times["raw_put"].append(_timed(raw_put))
+            times["tier_put"].append(_timed(tier_put))
+            times["raw_get"].append(_timed(raw_get))
+            times["tier_get"].append(_timed(tier_get))
+        if not all(torch.equal(a, b) for a, b in zip(into, payloads)):
+            raise RuntimeError("tier get returned other bytes")
+    finally:
+        client.flushdb()
+        client.close()
+        store.close()
+    total = nbytes * n_blocks
+    gbps = {name: total / statistics.median(t) / 1e9 for name, t in times.items()}
+    return {
+        "block_bytes": nbytes, "blocks": n_blocks, "batch": batch, "runs": runs,
+        "raw_put_GBps": round(gbps["raw_put"], 3), "tier_put_GBps": round(gbps["tier_put"], 3),
+        "raw_get_GBps": round(gbps["raw_get"], 3), "tier_get_GBps": round(gbps["tier_get"], 3),
+        "put_ratio": round(gbps["tier_put"] / gbps["raw_put"], 3),
+        "get_ratio": round(gbps["tier_get"] / gbps["raw_get"], 3),
+    }  # fmt: skip
+
+
+def run(quick: bool = False) -> dict:
+    """{"redis_vs_raw": {size: figures}, "min_ratio": the worst put or get ratio, "target": 0.8}."""
+    total = (32 if quick else 128) << 20  # bytes moved per run and direction
+    runs = 3 if quick else 7
+    results = {}
+    with redis_server() as url:
+        for name, nbytes in SIZES.items():
+            n_blocks = total // nbytes
+            results[name] = _one_size(url, nbytes, n_blocks, batch=min(16, n_blocks), runs=runs)
+    worst = min(min(r["put_ratio"], r["get_ratio"]) for r in results.values())
+    parser = "hiredis" if HIREDIS_AVAILABLE else "python"  # redis-py's reply parser, for both sides
+    return {"redis_vs_raw": results, "min_ratio": worst, "target": 0.8, "parser": parser}
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run(quick=True), indent=2))

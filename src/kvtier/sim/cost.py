@@ -1,0 +1,103 @@
+"""The cost model: what a block costs to move over each link, and what it costs to recompute instead.
+
+Tiering pays only where loading a block is cheaper than recomputing it, and only within the request's latency
+budget, so the analyzer's verdict and the simulator's TTFT both come from these few numbers. They are stated
+defaults, not measurements: pass your own hardware's figures.
+
+Prefill FLOPs of `n` new tokens after `p` cached ones (the Mooncake FAST'25 form, causal attention):
+
+    flops(n, p) = 2·P·n + L·A·(n·p + n·(n+1)/2)
+
+P = active parameters, L = layers, A = attention FLOPs per (query, key) pair per layer = 2·(q·k width + v width).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.layout import KVLayout, preset
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ModelCompute:
+    """What prefill costs for one model: active parameters and the attention width of one layer."""
+
+    params: float
+    attn_pair_flops: float  # per layer, per (query, key) pair
+
+
+# Published HuggingFace configs: parameters; attention = 2 * (heads * (qk dim + v dim)).
+COMPUTE: dict[str, ModelCompute] = {
+    "llama-3.1-8b": ModelCompute(8.03e9, 2 * (4096 + 4096)),
+    "llama-3.1-70b": ModelCompute(70.6e9, 2 * (8192 + 8192)),
+    "qwen2.5-7b": ModelCompute(7.62e9, 2 * (3584 + 3584)),
+    "qwen2.5-72b": ModelCompute(72.7e9, 2 * (8192 + 8192)),
+    "mistral-7b": ModelCompute(7.24e9, 2 * (4096 + 4096)),
+    "deepseek-v3": ModelCompute(37e9, 2 * (128 * 192 + 128 * 128)),  # 37B active of 671B; MLA, 128 heads
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    """One transfer path: a fixed latency per transfer plus bytes over bandwidth."""
+
+    name: str
+    bytes_per_s: float
+    latency_s: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class CostModel:
+    layout: KVLayout
+    compute: ModelCompute
+    flops_per_s: float = 400e12  # effective prefill FLOP/s of one engine: an H100 at ~40% of 989 TFLOP/s
+    pcie: Link = field(default_factory=lambda: Link("pcie", 25 * GB, 10e-6))  # host <-> GPU
+    disk: Link = field(default_factory=lambda: Link("disk", 6 * GB, 100e-6))  # one NVMe drive, reads
+    network: Link = field(default_factory=lambda: Link("network", 12.5 * GB, 200e-6))  # 100 Gbit/s
+    itl_s: float = 0.02  # seconds per output token while decoding (when a request's blocks get stored)
+
+    @property
+    def links(self) -> tuple[Link, ...]:
+        return (self.pcie, self.disk, self.network)
+
+    def block_bytes(self, block_tokens: int) -> int:
+        return self.layout.bytes_per_block(block_tokens)
+
+    def prefill_seconds(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """Compute time of a prefill of `new_tokens` that attends to `cached_tokens` already in the engine."""
+        n, p = new_tokens, cached_tokens
+        if n <= 0:
+            return 0.0
+        attention = self.layout.num_layers * self.compute.attn_pair_flops * (n * p + n * (n + 1) / 2)
+        return (2 * self.compute.params * n + attention) / self.flops_per_s
+
+    def tier_path(self, tier: str) -> tuple[Link, ...]:
+        """The links a block crosses from `tier` into the engine: every cold tier stages through host."""
+        if tier == "host":
+            return (self.pcie,)
+        if tier.startswith("disk"):
+            return (self.disk, self.pcie)
+        return (self.network, self.pcie)
+
+
+def cost_model(
+    model: str = "llama-3.1-8b", tflops: float = 400, pcie_gbs: float = 25, disk_gbs: float = 6,
+    network_gbs: float = 12.5, itl_ms: float = 20,
+) -> CostModel:
+    """A cost model for a layout preset; bandwidths in GB/s (1e9 bytes), compute in effective TFLOP/s."""
+    for name, value in (("tflops", tflops), ("pcie_gbs", pcie_gbs), ("disk_gbs", disk_gbs),
+                        ("network_gbs", network_gbs)):
+        if not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    if itl_ms < 0:
+        raise ValueError(f"--itl-ms must be >= 0, got {itl_ms}")
+    layout = preset(model)
+    return CostModel(
+        layout, COMPUTE[model], tflops * 1e12, Link("pcie", pcie_gbs * GB, 10e-6),
+        Link("disk", disk_gbs * GB, 100e-6), Link("network", network_gbs * GB, 200e-6), itl_ms / 1e3,
+    )

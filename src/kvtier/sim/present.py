@@ -1,0 +1,102 @@
+"""A simulation as a report: every configuration side by side, then the one to deploy as vLLM takes it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvtier.report import (
+    Heading,
+    Plot,
+    Report,
+    Table,
+    Text,
+    fmt_bytes,
+    fmt_seconds,
+    fmt_share,
+)
+from kvtier.sim.simulate import ENGINE, Deployment, SimResult, recommend
+
+SOURCES = (ENGINE, "host", "disk")
+
+
+def simulation_report(source: str, results: Sequence[SimResult], dep: Deployment, notes: Sequence[str] = ()) -> Report:
+    choice, reasons = recommend(results)
+    c = dep.cost
+    transfer = choice.config.kv_transfer_config()
+    assumptions = {
+        "model": c.layout.name, "block_tokens": dep.block_tokens, "block_bytes": dep.block_bytes,
+        "engine_kv_bytes": dep.engine_kv_bytes, "instances": dep.instances,
+        "prefill_flops_per_s": c.flops_per_s, "itl_s": c.itl_s,
+        "links": {link.name: {"bytes_per_s": link.bytes_per_s, "latency_s": link.latency_s} for link in c.links},
+    }
+    report = Report(f"kvtier simulate — {source}", data={
+        "trace": source, "deployment": assumptions, "results": [r.as_dict() for r in results],
+        "recommended": {"name": choice.name, "reasons": reasons, "kv_transfer_config": transfer},
+    })
+    links = ", ".join(f"{link.name} {link.bytes_per_s / 1e9:g} GB/s" for link in c.links)
+    report.add(Text(
+        f"{results[0].requests:,} requests, model {c.layout.name} ({fmt_bytes(dep.block_bytes)} per "
+        f"{dep.block_tokens}-token block), engine KV {fmt_bytes(dep.engine_kv_bytes)} "
+        f"({dep.engine_blocks:,} blocks), {dep.instances} prefill server(s) at {c.flops_per_s / 1e12:g} TFLOP/s, "
+        f"{links}, decode {fmt_seconds(c.itl_s)} per token."), *[Text(f"note: {n}", "yellow") for n in notes])
+    report.add(
+        Heading("Configurations side by side"),
+        Table("prompt tokens by source, bytes moved, estimated TTFT",
+              ["configuration", *SOURCES, "recomputed", "hit", "loaded", "stored", "demoted",
+               "TTFT p50", "p95", "p99"], [_row(r) for r in results],
+              note="loaded = tiers -> engine; stored = engine -> host; demoted = host -> disk. TTFT = queueing + "
+                   "load + prefill, from the cost model."),
+        Table("evictions, admission rejects, dropped stores (blocks)", ["configuration", "evictions",
+              "admission rejects", "stores dropped"], [_drops(r) for r in results if r.config.extra is not None]),
+        Plot("TTFT distribution", lambda ax: _ttft_cdf(ax, results), "TTFT (s)", "share of requests"),
+        Plot("prompt tokens by source", lambda ax: _sources(ax, results), "", "share of prompt tokens"),
+        Heading("Recommendation"),
+        Text(f"deploy: {choice.name}", "bold green"),
+        *[Text(f"- {r}") for r in reasons],
+    )
+    if transfer is None:
+        report.add(Text("run vLLM without kvtier (no --kv-transfer-config)"))
+    else:
+        report.add(Text("vllm serve MODEL --kv-transfer-config '" + json.dumps(transfer) + "'"))
+        if any(t.get("root_dir") == "/mnt/kv_cache" for t in transfer["kv_connector_extra_config"].get(
+                "secondary_tiers", [])):
+            report.add(Text("(set root_dir to a local NVMe directory of yours)"))
+    return report
+
+
+def _row(r: SimResult) -> list[str]:
+    total = r.total_tokens or 1
+    moved = r.moved_bytes
+    loaded = sum(n for k, n in moved.items() if k.endswith(f"->{ENGINE}"))
+    return [r.name, *(fmt_share(r.hit_tokens[s] / total) if r.hit_tokens[s] else "-" for s in SOURCES),
+            fmt_share(r.hit_tokens["miss"] / total), fmt_share(r.hit_ratio), fmt_bytes(loaded),
+            fmt_bytes(moved[f"{ENGINE}->host"]), fmt_bytes(moved["host->disk"]),
+            *(fmt_seconds(r.ttft(q)) for q in (50, 95, 99))]
+
+
+def _drops(r: SimResult) -> list[str]:
+    def fmt(counter) -> str:
+        return ", ".join(f"{'/'.join(k) if isinstance(k, tuple) else k} {n:,}" for k, n in sorted(counter.items())) or "-"
+
+    return [r.name, fmt(r.evictions), fmt(r.admission_rejects), fmt(r.stores_dropped)]
+
+
+def _ttft_cdf(ax, results: Sequence[SimResult]) -> None:
+    for r in results:
+        x = np.sort(r.ttft_s)
+        ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=r.name)
+    ax.set_xscale("log")
+
+
+def _sources(ax, results: Sequence[SimResult]) -> None:
+    names = [r.name for r in results]
+    bottom = np.zeros(len(results))
+    for source in (*SOURCES, "miss"):
+        share = np.array([r.hit_tokens[source] / (r.total_tokens or 1) for r in results])
+        ax.barh(names, share, left=bottom, label="recomputed" if source == "miss" else source)
+        bottom += share
+    ax.invert_yaxis()
+    ax.tick_params(axis="y", labelsize=7)

@@ -1,0 +1,269 @@
+"""`kvtier simulate`: replay a trace through the runtime's own directory on a virtual clock, per configuration.
+
+What each request does is what it does under vLLM with the kvtier connector (see
+`integrations/vllm/scheduler.py`): at its start it takes the engine's cached prefix, then asks kvtier for the
+rest (`plan_load` on the blocks after the engine's hit); its prefill leaves its blocks in the engine; when it
+finishes, its full blocks are stored (`plan_store` from the first block, as `request_finished` does).
+Transfers complete at once in the directory; their time is charged by the cost model instead.
+
+The clock: requests arrive at their timestamps and queue, first come first served, for `instances` prefill
+servers that share one cache (engine KV + kvtier tiers, as with prefix-affinity routing). A request's server
+is busy while its prefix loads and while it prefills the rest. Loads queue on their links (disk reads, then
+host -> GPU over PCIe, pipelined); stores and demotions are background writes: counted in bytes, not in TTFT.
+TTFT = queueing + load + prefill. Decode time (output tokens x ITL) only decides when the blocks are stored.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.directory import CALLER, Directory
+from kvtier.policies.base import DEFAULT_PRIORITY
+from kvtier.sim.configs import SimConfig
+from kvtier.sim.cost import CostModel
+from kvtier.sim.engine import EngineCache
+from kvtier.sim.replay import complete_instantly
+from kvtier.tiers import tier_specs
+from kvtier.traces.request import TraceRequest
+
+TARGET_UTILIZATION = 0.7  # auto-sized servers: recomputing every prompt would keep them this busy
+WORTH_IT = 0.05  # a tier must cut p99 TTFT by at least this share to be recommended over engine only
+NEAR_BEST = 0.02  # configurations within this share of the best p99 count as equal: the smallest one wins
+ENGINE = "engine"
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Everything simulated besides the kvtier config: the model's costs, the engine's KV memory, servers."""
+
+    cost: CostModel
+    block_tokens: int
+    engine_kv_bytes: int
+    instances: int
+
+    @property
+    def block_bytes(self) -> int:
+        return self.cost.block_bytes(self.block_tokens)
+
+    @property
+    def engine_blocks(self) -> int:
+        return self.engine_kv_bytes // self.block_bytes
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    requests: int = 0
+    total_tokens: int = 0
+    hit_blocks: Counter = field(default_factory=Counter)  # engine / host / disk / miss
+    hit_tokens: Counter = field(default_factory=Counter)
+    moved_bytes: Counter = field(default_factory=Counter)  # "src->dst"
+    ttft_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    evictions: Counter = field(default_factory=Counter)
+    admission_rejects: Counter = field(default_factory=Counter)
+    stores_dropped: Counter = field(default_factory=Counter)
+    busy_s: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def hit_ratio(self) -> float:
+        """Share of prompt tokens not recomputed."""
+        return 1 - self.hit_tokens["miss"] / self.total_tokens if self.total_tokens else 0.0
+
+    def ttft(self, q: float) -> float:
+        return float(np.percentile(self.ttft_s, q)) if len(self.ttft_s) else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "kv_transfer_config": self.config.kv_transfer_config(),
+            "requests": self.requests,
+            "prompt_tokens": self.total_tokens,
+            "hit_ratio_tokens": self.hit_ratio,
+            "hit_blocks": dict(self.hit_blocks),
+            "hit_tokens": dict(self.hit_tokens),
+            "moved_bytes": dict(self.moved_bytes),
+            "ttft_s": {"mean": float(self.ttft_s.mean()) if len(self.ttft_s) else 0.0,
+                       **{f"p{q}": self.ttft(q) for q in (50, 95, 99)}},
+            "server_busy_s": self.busy_s,
+            "evictions": {f"{t}/{r}": n for (t, r), n in self.evictions.items()},
+            "admission_rejects": {f"{t}/{r}": n for (t, r), n in self.admission_rejects.items()},
+            "stores_dropped": dict(self.stores_dropped),
+        }
+
+
+def auto_instances(requests: Sequence[TraceRequest], cost: CostModel) -> int:
+    """Servers enough that recomputing every prompt would keep them TARGET_UTILIZATION busy."""
+    if len(requests) < 2:
+        return 1
+    span = requests[-1].timestamp - requests[0].timestamp
+    work = sum(cost.prefill_seconds(r.input_tokens) for r in requests)
+    return max(1, math.ceil(work / span / TARGET_UTILIZATION)) if span > 0 else 1
+
+
+class _Links:
+    """Each link serves one transfer at a time, in order of arrival."""
+
+    def __init__(self) -> None:
+        self.free_at: Counter = Counter()
+
+    def transfer(self, link_name: str, seconds: float, at: float) -> float:
+        begin = max(at, self.free_at[link_name])
+        self.free_at[link_name] = begin + seconds
+        return begin + seconds
+
+
+def simulate(
+    requests: Sequence[TraceRequest], configs: Sequence[SimConfig], deployment: Deployment,
+    on_request: Callable[[], None] | None = None,
+) -> list[SimResult]:
+    """One result per configuration, all from the same requests (in arrival order) and deployment."""
+    requests = sorted(requests, key=lambda r: r.timestamp)
+    keys = [[b.to_bytes(8, "little") for b in r.blocks] for r in requests]
+    with tempfile.TemporaryDirectory(prefix="kvtier-sim-") as scratch:
+        return [_run(requests, keys, c, deployment, Path(scratch), on_request) for c in configs]
+
+
+def _run(
+    requests: Sequence[TraceRequest], keys: Sequence[list[bytes]], sim_config: SimConfig, dep: Deployment,
+    scratch: Path, on_request: Callable[[], None] | None,
+) -> SimResult:
+    now = [0.0]
+    config = sim_config.validated(scratch)
+    directory = None
+    if config is not None:
+        directory = Directory(tier_specs(config, dep.block_bytes), clock=lambda: now[0])
+    engine = EngineCache(dep.engine_blocks)
+    cost, block_bytes = dep.cost, dep.block_bytes
+    result = SimResult(sim_config)
+    ttft = np.zeros(len(requests))
+    servers = [0.0] * dep.instances
+    links = _Links()
+    events: list[tuple[float, int, int]] = []  # (time, kind, request); kind 0: prefilled, 1: finished
+
+    def apply_events(until: float) -> None:
+        while events and events[0][0] <= until:
+            when, kind, i = heapq.heappop(events)
+            now[0] = when
+            full = _full_blocks(requests[i])
+            if kind == 0:
+                engine.insert(requests[i].blocks[:full])
+            elif directory is not None and full:
+                complete_instantly(directory, directory.plan_store(keys[i][:full], priority=_priority(requests[i])))
+
+    for i, request in enumerate(requests):
+        free = heapq.heappop(servers)
+        start = max(request.timestamp, free)
+        apply_events(start)
+        now[0] = start
+        blocks, bt = request.blocks, request.block_tokens
+        in_engine = engine.hit_prefix(blocks)
+        sources: list[str] = [ENGINE] * in_engine
+        if directory is not None and in_engine < len(blocks):
+            plan = directory.plan_load(keys[i][in_engine:])
+            complete_instantly(directory, plan)
+            directory.finish_load(plan)
+            directory.record_lookup(plan.sources, len(blocks) - in_engine)
+            sources += plan.sources
+        loaded_at = _load(sources[in_engine:], cost, block_bytes, links, start)
+        cached_tokens = max(0, min(len(sources) * bt, request.input_tokens - 1))  # the last token is computed
+        prefill = cost.prefill_seconds(request.input_tokens - cached_tokens, cached_tokens)
+        done = loaded_at + prefill
+        heapq.heappush(servers, done)
+        ttft[i] = done - request.timestamp
+        result.busy_s += done - start
+        heapq.heappush(events, (done, 0, i))
+        heapq.heappush(events, (done + request.output_tokens * cost.itl_s, 1, i))
+        _count(result, request, sources, block_bytes)
+        if on_request is not None:
+            on_request()
+    apply_events(math.inf)
+    result.ttft_s = ttft
+    if directory is not None:
+        stats = directory.stats
+        for (src, dst), n in stats.planned_moves.items():
+            result.moved_bytes[f"{ENGINE if src == CALLER else src}->{dst}"] += n * block_bytes
+        result.evictions, result.admission_rejects = stats.evictions, stats.admission_rejects
+        result.stores_dropped = stats.stores_dropped
+    return result
+
+
+def _full_blocks(request: TraceRequest) -> int:
+    """Blocks the engine caches and kvtier stores: full ones only (a trace's last block may be partial)."""
+    return min(len(request.blocks), request.input_tokens // request.block_tokens)
+
+
+def _priority(request: TraceRequest) -> int:
+    return DEFAULT_PRIORITY if request.priority is None else request.priority
+
+
+def _load(sources: Sequence[str], cost: CostModel, block_bytes: int, links: _Links, start: float) -> float:
+    """When the blocks from kvtier tiers are in the engine: cold reads staged through host, pipelined."""
+    if not sources:
+        return start
+    cold = Counter(s for s in sources if s != "host")
+    done = links.transfer("pcie", cost.pcie.seconds(len(sources) * block_bytes), start)
+    for tier, n in cold.items():
+        first_link = cost.tier_path(tier)[0]
+        read = links.transfer(first_link.name, first_link.seconds(n * block_bytes), start)
+        done = max(done, read + cost.pcie.seconds(block_bytes))  # the last block still crosses PCIe
+    return done
+
+
+def _count(result: SimResult, request: TraceRequest, sources: Sequence[str], block_bytes: int) -> None:
+    result.requests += 1
+    result.total_tokens += request.input_tokens
+    bt, n = request.block_tokens, len(request.blocks)
+    for j, source in enumerate(sources):
+        result.hit_blocks[source] += 1
+        result.hit_tokens[source] += min(bt, request.input_tokens - j * bt)
+        if source != ENGINE:
+            result.moved_bytes[f"{source}->{ENGINE}"] += block_bytes
+    result.hit_blocks["miss"] += n - len(sources)
+    result.hit_tokens["miss"] += request.input_tokens - sum(
+        min(bt, request.input_tokens - j * bt) for j in range(len(sources)))
+
+
+def recommend(results: Sequence[SimResult]) -> tuple[SimResult, list[str]]:
+    """The configuration to deploy, and why: the smallest one near the best p99 TTFT, unless a tier does not
+    pay for itself against the engine alone."""
+    best = min(results, key=lambda r: r.ttft(99))
+    choice = min((r for r in results if r.ttft(99) <= best.ttft(99) * (1 + NEAR_BEST)), key=_footprint)
+    reasons = [f"lowest p99 TTFT: {best.name} ({fmt_ms(best.ttft(99))})"]
+    if choice is not best:
+        reasons.append(f"{choice.name} is within {NEAR_BEST:.0%} of it with fewer resources")
+    baseline = next((r for r in results if r.config.extra is None), None)
+    if baseline is None:
+        return choice, reasons
+    gain = 1 - choice.ttft(99) / baseline.ttft(99) if baseline.ttft(99) else 0.0
+    if choice is baseline or gain < WORTH_IT:
+        top = 1 - best.ttft(99) / baseline.ttft(99) if baseline.ttft(99) else 0.0
+        reasons.append(f"no configuration cuts p99 TTFT by {WORTH_IT:.0%} or more against engine only (best: "
+                       f"{top:.1%}): not worth a tier")
+        return baseline, reasons
+    reasons.append(f"p99 TTFT {gain:.0%} lower than engine only; prompt tokens not recomputed "
+                   f"{baseline.hit_ratio:.0%} -> {choice.hit_ratio:.0%}")
+    return choice, reasons
+
+
+def fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.0f} ms"
+
+
+def _footprint(result: SimResult) -> tuple[int, int]:
+    extra = result.config.extra
+    if extra is None:
+        return (0, 0)
+    tiers = extra.get("secondary_tiers") or []
+    return (1 + len(tiers), int(extra.get("cpu_bytes_to_use", 0)) + sum(int(t.get("max_bytes", 0)) for t in tiers))

@@ -1,0 +1,466 @@
+"""The shared tier: blocks in Redis (or Valkey), read and written by many engines on many machines.
+
+A value is blockformat's header followed by the payload (`RedisStore.value_nbytes`); key =
+`key_prefix + namespace + key.hex()`. A value that is torn, flipped, of another namespace or of another key
+is a miss (CORRUPT / FOREIGN), is removed, and is never served.
+
+Capacity: kvtier's own accounting, kept *inside Redis* and changed only by Lua scripts, not Redis
+`maxmemory`. Other engines add and remove blocks in the same Redis, so no engine's local count can be right;
+a shared count updated atomically by every writer is. Redis' own eviction would also be blind to the prefix
+tree (it samples keys, so it drops parents before their children and leaves orphans), would evict other
+applications' keys too, and is often not ours to configure (managed Redis refuses CONFIG SET). So, under
+`key_prefix`:
+
+    !used            bytes of all committed values (header + payload), never above max_bytes
+    !meta  hash      id -> "<value bytes> <parent id>"       (id = namespace + key hex)
+    !tick  hash      id -> last use, from the shared !clock counter
+    !leaves zset     blocks that have no child in the tier, by last use: the only eviction candidates
+    !kids:<id> set   the children of a block that are in the tier
+
+Eviction takes the least recently used *leaf*: a parent is evicted only after its last child left. A store
+whose parent is not in the tier is refused (`ORPHAN`), and deleting a block deletes its descendants. So every
+block in the tier has its whole prefix in the tier: the chain invariant holds for all engines together.
+
+A put is one round trip: MULTI, SET of each value under a temporary name (the payload is sent straight from
+the caller's tensor, never copied into one buffer with the header), then the commit script, EXEC. The script
+evicts to make room, then renames the value into place or drops it. Inside MULTI no other client sees the
+temporary values, so no observer ever sees more than max_bytes of values under the prefix.
+
+Give Redis a `maxmemory` a few percent above the sum of its tiers' max_bytes (per-key overhead) and
+`maxmemory-policy noeviction` (or a `volatile-*` one: our blocks have no TTL): Redis then never drops our
+blocks behind our back, and if it ever refuses a write (OOM) the put is FAILED and counted. Under an
+`allkeys-*` policy Redis may drop values itself: reads of those miss, `lookup` stops at the first missing
+block, and the count over-states until our own eviction reaches the entry. Not Redis Cluster-ready yet: the
+scripts touch keys they do not declare (one hash slot per key_prefix would fix that).
+
+Every call goes through a circuit breaker: with Redis down or slow, lookups return misses and stores are
+dropped at once (counted), instead of costing a timeout each.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import secrets
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from kvtier.config import RedisTierConfig
+from kvtier.stores import blockformat
+from kvtier.stores.base import ReadStatus
+from kvtier.stores.breaker import CircuitBreaker
+
+Buffer = torch.Tensor | memoryview | bytes | bytearray
+_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError)  # the server is not answering: breaker failures
+_PENDING_TTL_MS = 600_000  # a temporary value left by a failed commit expires on its own
+
+
+class _Skipped(Exception):
+    """Redis was not asked (the breaker is open) or did not answer (a failure the breaker counted)."""
+
+    def __init__(self, by_breaker: bool) -> None:
+        super().__init__("breaker open" if by_breaker else "redis unavailable")
+        self.by_breaker = by_breaker
+
+
+class NotStored(OSError):
+    def __init__(self, status: PutStatus) -> None:
+        super().__init__(f"block not stored in the redis tier: {status.value}")
+        self.status = status
+
+
+class PutStatus(enum.Enum):
+    """STORED and EXISTS mean the tier has the block; the rest are stores not done, each its own reason."""
+
+    STORED = "stored"
+    EXISTS = "exists"  # already in the tier (another engine stored it): touched, not rewritten
+    ORPHAN = "orphan"  # its parent is not in the tier: storing it would break the chain invariant
+    NO_ROOM = "no_room"  # making room would have evicted its own parent
+    TOO_BIG = "too_big"  # larger than max_bytes
+    DROPPED = "dropped"  # not tried: the breaker is open
+    FAILED = "failed"  # Redis failed or refused the write
+
+
+_LUA_COMMON = """
+local P = ARGV[1]
+local USED, CLOCK, META, TICK, LEAVES = P..'!used', P..'!clock', P..'!meta', P..'!tick', P..'!leaves'
+local used = tonumber(redis.call('GET', USED) or '0')
+local function kids(id) return P..'!kids:'..id end
+local function meta(id)
+  local m = redis.call('HGET', META, id)
+  if not m then return nil end
+  local sp = string.find(m, ' ', 1, true)
+  return tonumber(string.sub(m, 1, sp - 1)), string.sub(m, sp + 1)
+end
+local function touch(id)
+  local t = redis.call('INCR', CLOCK)
+  redis.call('HSET', TICK, id, t)
+  redis.call('ZADD', LEAVES, 'XX', t, id)
+end
+local function forget(id)  -- one block; its parent becomes a leaf when this was its last child
+  local size, parent = meta(id)
+  redis.call('DEL', P..id)
+  redis.call('ZREM', LEAVES, id)
+  if not size then return 0 end
+  redis.call('HDEL', META, id)
+  redis.call('HDEL', TICK, id)
+  used = used - size
+  if parent ~= '' then
+    redis.call('SREM', kids(parent), id)
+    if redis.call('SCARD', kids(parent)) == 0 and redis.call('HEXISTS', META, parent) == 1 then
+      redis.call('ZADD', LEAVES, redis.call('HGET', TICK, parent), parent)
+    end
+  end
+  return 1
+end
+local function drop(id)  -- a block and all its descendants
+  local stack, n = {id}, 0
+  while #stack > 0 do
+    local x = table.remove(stack)
+    for _, c in ipairs(redis.call('SMEMBERS', kids(x))) do table.insert(stack, c) end
+    redis.call('DEL', kids(x))
+    n = n + forget(x)
+  end
+  return n
+end
+"""
+
+# ARGV: prefix, max_bytes, then (temporary key, id, parent id or '') per block, parents before children.
+_COMMIT = _LUA_COMMON + """
+local max = tonumber(ARGV[2])
+local out, evicted = {}, 0
+for i = 3, #ARGV, 3 do
+  local tmp, id, parent = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local size = redis.call('STRLEN', tmp)
+  local status = 'stored'
+  if size == 0 then status = 'failed'
+  elseif redis.call('HEXISTS', META, id) == 1 then touch(id); status = 'exists'
+  elseif parent ~= '' and redis.call('HEXISTS', META, parent) == 0 then status = 'orphan'
+  elseif size > max then status = 'too_big'
+  else
+    if parent ~= '' then touch(parent) end  -- the newest leaf now: evicted last, and then we stop
+    while used + size > max do
+      local lru = redis.call('ZRANGE', LEAVES, 0, 0)[1]
+      if lru == nil or lru == parent then status = 'no_room'; break end
+      evicted = evicted + forget(lru)
+    end
+  end
+  if status == 'stored' then
+    redis.call('RENAME', tmp, P..id)
+    redis.call('PERSIST', P..id)
+    local t = redis.call('INCR', CLOCK)
+    redis.call('HSET', META, id, size..' '..parent)
+    redis.call('HSET', TICK, id, t)
+    redis.call('ZADD', LEAVES, t, id)
+    if parent ~= '' then
+      redis.call('SADD', kids(parent), id)
+      redis.call('ZREM', LEAVES, parent)
+    end
+    used = used + size
+  else
+    redis.call('DEL', tmp)
+  end
+  out[#out + 1] = status
+end
+redis.call('SET', USED, used)
+out[#out + 1] = evicted
+return out
+"""
+
+# allow-oom: a Redis that is full (maxmemory) must still let us free it, and touching is harmless.
+_TOUCH = "#!lua flags=allow-oom\n" + _LUA_COMMON + """
+for i = 2, #ARGV do
+  if redis.call('HEXISTS', META, ARGV[i]) == 1 then touch(ARGV[i]) end
+end
+return 0
+"""
+
+_DROP = "#!lua flags=allow-oom\n" + _LUA_COMMON + """
+local n = 0
+for i = 2, #ARGV do n = n + drop(ARGV[i]) end
+redis.call('SET', USED, used)
+return n
+"""
+
+
+def _bulk(arg: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(arg), arg)
+
+
+def _command(*args: bytes) -> bytes:
+    """One command in RESP, for small arguments."""
+    return b"*%d\r\n" % len(args) + b"".join(_bulk(a) for a in args)
+
+
+def _byte_view(buf: Buffer, nbytes: int, what: str, writable: bool = False) -> memoryview:
+    """A zero-copy byte view of exactly `nbytes` (a CPU uint8 tensor, as DiskStore takes, or a buffer)."""
+    if isinstance(buf, torch.Tensor):
+        if buf.device.type != "cpu" or buf.dtype != torch.uint8 or not buf.is_contiguous() or buf.numel() != nbytes:
+            raise ValueError(
+                f"{what} must be a contiguous CPU uint8 tensor of {nbytes} bytes, "
+                f"got {buf.dtype} {tuple(buf.shape)} on {buf.device}"
+            )
+        return memoryview(buf.numpy()).cast("B")
+    view = memoryview(buf).cast("B")
+    if view.nbytes != nbytes or (writable and view.readonly):
+        raise ValueError(f"{what} must be a {'writable ' if writable else ''}buffer of {nbytes} bytes")
+    return view
+
+
+class RedisStore:
+    """Blocks of one namespace in a Redis shared by many engines. Every method takes a batch and costs one
+    round trip (a read that finds damaged values, two), and is safe to call from many mover threads at once:
+    each call takes its own pooled connection."""
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        payload_nbytes: int,
+        max_bytes: int,
+        key_prefix: str = "kvtier:",
+        socket_timeout_s: float = 1.0,
+        connect_timeout_s: float = 0.5,
+        pool_size: int = 16,
+        breaker: CircuitBreaker | None = None,
+        **connection_kwargs: Any,
+    ) -> None:
+        """`connection_kwargs` go to redis-py's connection (ssl_ca_certs, ssl_certfile, ...); TLS and
+        credentials can also come in the URL (rediss://user:password@host:port/db)."""
+        if not re.fullmatch(r"[0-9a-f]{32}", namespace):
+            raise ValueError(f"namespace must be 32 lowercase hex chars (Namespace.digest()), got {namespace!r}")
+        self.namespace, self.payload_nbytes, self.max_bytes = namespace, payload_nbytes, max_bytes
+        self.value_nbytes = blockformat.HEADER_NBYTES + payload_nbytes
+        if payload_nbytes <= 0 or max_bytes < self.value_nbytes:
+            raise ValueError(f"max_bytes ({max_bytes}) holds no block of {self.value_nbytes} bytes")
+        self.key_prefix = key_prefix
+        self._ns = bytes.fromhex(namespace)
+        self._prefix = key_prefix.encode()
+        self.breaker = breaker or CircuitBreaker()
+        self._pool = redis.BlockingConnectionPool.from_url(
+            url, max_connections=pool_size, timeout=connect_timeout_s + socket_timeout_s,
+            socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0, **connection_kwargs,
+        )  # fmt: skip
+        self._counts: Counter[str] = Counter()
+        self._counts_lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: RedisTierConfig, namespace: str, payload_nbytes: int) -> RedisStore:
+        breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
+        return cls(
+            config.url, namespace, payload_nbytes, config.max_bytes, key_prefix=config.key_prefix,
+            socket_timeout_s=config.socket_timeout_s, connect_timeout_s=config.connect_timeout_s,
+            pool_size=config.pool_size, breaker=breaker, **config.connection_kwargs(),
+        )  # fmt: skip
+
+    @property
+    def footprint(self) -> int:
+        """Bytes one block counts against max_bytes: its header and payload."""
+        return self.value_nbytes
+
+    def close(self) -> None:
+        self._pool.disconnect()
+
+    # -- names ------------------------------------------------------------------------------------------
+
+    def _id(self, key: bytes) -> bytes:
+        blockformat.check_key(key)
+        return self.namespace.encode() + key.hex().encode()
+
+    def _value_key(self, key: bytes) -> bytes:
+        return self._prefix + self._id(key)
+
+    # -- the batch API the mover drives -----------------------------------------------------------------
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes | None, Buffer]]) -> list[PutStatus]:
+        """Store (key, parent, payload) blocks, parents before their children; one status per block.
+
+        A payload is a CPU uint8 tensor (or buffer) of payload_nbytes; it is sent without being copied.
+        """
+        if not items:
+            return []
+        token = secrets.token_hex(8).encode()
+        chunks: list[bytes | memoryview] = []
+        small = _command(b"MULTI")  # RESP between two payloads goes out as one chunk: one send per gap
+        commit_args = [b"EVAL", _COMMIT.encode(), b"0", self._prefix, b"%d" % self.max_bytes]
+        for i, (key, parent, payload) in enumerate(items):
+            view = _byte_view(payload, self.payload_nbytes, "payload")
+            header = bytearray(blockformat.HEADER_NBYTES)
+            blockformat.pack_header(header, self._ns, key, parent, self.payload_nbytes,
+                                    blockformat.payload_checksum(view))  # fmt: skip
+            tmp = self._prefix + b"!tmp:" + token + b":%d" % i
+            small += b"*5\r\n$3\r\nSET\r\n" + _bulk(tmp) + b"$%d\r\n" % self.value_nbytes + header
+            chunks += [small, view]
+            small = b"\r\n" + _bulk(b"PX") + _bulk(b"%d" % _PENDING_TTL_MS)
+            commit_args += [tmp, self._id(key), self._id(parent) if parent is not None else b""]
+        chunks.append(small + _command(*commit_args) + _command(b"EXEC"))
+        try:
+            replies = self._exchange(chunks, len(items) + 3)
+        except _Skipped as skipped:
+            return self._count_all([PutStatus.DROPPED if skipped.by_breaker else PutStatus.FAILED] * len(items))
+        executed = replies[-1]
+        if not isinstance(executed, list) or not isinstance(executed[-1], list):
+            return self._count_all([PutStatus.FAILED] * len(items))  # EXECABORT (e.g. OOM): nothing applied
+        *statuses, evicted = executed[-1]
+        self._count("evictions", int(evicted))
+        return self._count_all([PutStatus(s.decode()) for s in statuses])
+
+    def get_many(self, keys: Sequence[bytes], into_buffers: Sequence[Buffer]) -> list[ReadStatus]:
+        """Read blocks into `into_buffers` (CPU uint8 tensors or writable buffers of payload_nbytes).
+
+        Anything but OK leaves that buffer undefined. Hits are touched (LRU); a CORRUPT or FOREIGN value is
+        removed together with its descendants: it can never be served.
+        """
+        if len(keys) != len(into_buffers):
+            raise ValueError(f"{len(keys)} keys but {len(into_buffers)} buffers")
+        if not keys:
+            return []
+        outs = [_byte_view(b, self.payload_nbytes, "into", writable=True) for b in into_buffers]
+        chunks = [_command(b"GET", self._value_key(k)) for k in keys]
+        chunks.append(_command(b"EVAL", _TOUCH.encode(), b"0", self._prefix, *(self._id(k) for k in keys)))
+        try:
+            replies = self._exchange([b"".join(chunks)], len(keys) + 1)
+        except _Skipped:
+            self._count("get_skipped", len(keys))
+            return [ReadStatus.MISSING] * len(keys)
+        statuses = [self._verify(k, v, out) for k, v, out in zip(keys, replies, outs)]
+        bad = [k for k, s in zip(keys, statuses) if s.is_integrity_failure]
+        if bad:
+            self._count("integrity_failures", len(bad))
+            self.delete_many(bad)
+        return self._count_all(statuses, "get")
+
+    def _verify(self, key: bytes, value: Any, out: memoryview) -> ReadStatus:
+        if not isinstance(value, bytes):  # nil, or an error reply in its place
+            return ReadStatus.MISSING
+        view = memoryview(value)
+        header = blockformat.parse_header(view[: blockformat.HEADER_NBYTES])
+        status = blockformat.classify(header, self._ns, key.__eq__, self.payload_nbytes,
+                                      len(view) == self.value_nbytes)  # fmt: skip
+        if status is not ReadStatus.OK:
+            return status
+        payload = view[blockformat.HEADER_NBYTES :]
+        if header is None or not blockformat.payload_ok(header, payload):
+            return ReadStatus.CORRUPT
+        out[:] = payload
+        return ReadStatus.OK
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which blocks are in the tier now (another engine may add or evict them a moment later)."""
+        if not keys:
+            return []
+        try:
+            replies = self._exchange([b"".join(_command(b"EXISTS", self._value_key(k)) for k in keys)], len(keys))
+        except _Skipped:
+            self._count("exists_skipped", len(keys))
+            return [False] * len(keys)
+        return [r == 1 for r in replies]
+
+    def lookup(self, chain: Sequence[bytes]) -> int:
+        """How many leading blocks of a chain (parents first) the tier holds: the usable prefix."""
+        found = self.exists_many(chain)
+        return found.index(False) if False in found else len(found)
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Remove blocks and all their descendants; returns how many blocks went."""
+        if not keys:
+            return 0
+        args = [b"EVAL", _DROP.encode(), b"0", self._prefix, *(self._id(k) for k in keys)]
+        try:
+            (removed,) = self._exchange([_command(*args)], 1)
+        except _Skipped:
+            removed = None
+        if not isinstance(removed, int):
+            self._count("delete_skipped", len(keys))
+            return 0
+        self._count("deleted", removed)
+        return removed
+
+    # -- single-block forms, as DiskStore has (what the mover calls today) -------------------------------
+
+    def write(self, key: bytes, parent: bytes | None, src: Buffer) -> None:
+        """As DiskStore.write: returns when the tier has the block, raises OSError (with the PutStatus)
+        when it does not, so the mover reports the step FAILED."""
+        status = self.put_many([(key, parent, src)])[0]
+        if status not in (PutStatus.STORED, PutStatus.EXISTS):
+            raise NotStored(status)
+
+    def read(self, key: bytes, into: Buffer) -> ReadStatus:
+        return self.get_many([key], [into])[0]
+
+    def delete(self, key: bytes) -> bool:
+        return self.delete_many([key]) > 0
+
+    # -- accounting and health --------------------------------------------------------------------------
+
+    def used_bytes(self) -> int | None:
+        """Bytes of all engines' blocks under key_prefix (what max_bytes bounds); None if Redis is away."""
+        try:
+            (used,) = self._exchange([_command(b"GET", self._prefix + b"!used")], 1)
+        except _Skipped:
+            return None
+        return int(used) if isinstance(used, bytes) else 0 if used is None else None
+
+    def stats(self) -> dict[str, Any]:
+        """Plain counters for metrics: the breaker's and this store's (puts by status, gets by status, ...)."""
+        b = self.breaker.stats()
+        with self._counts_lock:
+            counts = dict(self._counts)
+        return {"breaker_state": b.state.value, "breaker_opens": b.opens, "breaker_closes": b.closes,
+                "breaker_failures": b.failures, "breaker_rejected": b.rejected, **counts}  # fmt: skip
+
+    # -- plumbing ---------------------------------------------------------------------------------------
+
+    def _exchange(self, chunks: list[bytes | memoryview], n_replies: int) -> list[Any]:
+        """Send pre-packed commands on one pooled connection and read `n_replies` replies (an error reply
+        comes back as a ResponseError in its place), through the breaker. Raises _Skipped when Redis was not
+        tried or did not answer."""
+        if not self.breaker.allow():
+            raise _Skipped(by_breaker=True)
+        try:
+            conn = self._pool.get_connection()
+        except _UNAVAILABLE:
+            self.breaker.failure()
+            raise _Skipped(by_breaker=False) from None
+        try:
+            conn.send_packed_command(chunks, check_health=False)
+            replies = []
+            for _ in range(n_replies):
+                try:
+                    replies.append(conn.read_response())
+                except ResponseError as e:  # the reply was read whole: the connection is still in step
+                    replies.append(e)
+        except _UNAVAILABLE:
+            conn.disconnect()
+            self.breaker.failure()
+            raise _Skipped(by_breaker=False) from None
+        except BaseException:
+            conn.disconnect()  # replies may be left unread: never hand this connection out again as it is
+            raise
+        finally:
+            self._pool.release(conn)
+        self.breaker.success()
+        return replies
+
+    def _count(self, name: str, n: int = 1) -> None:
+        if n:
+            with self._counts_lock:
+                self._counts[name] += n
+
+    def _count_all(self, statuses: list, family: str = "put") -> list:
+        """Count each status as `<family>_<status>` (put_stored, get_ok, get_corrupt, ...)."""
+        with self._counts_lock:
+            for s in statuses:
+                self._counts[f"{family}_{s.value}"] += 1
+        return statuses
