@@ -15,3 +15,7 @@ def test_bench_quick_writes_every_figure(tmp_path):
         assert isinstance(result[name], (int, float)) and result[name] > 0, name
     assert len(result["host_vs_copy_by_size"]) == 3  # 256 KiB, 1 MiB, 4 MiB blocks
     assert set(result["targets"]) == {"host_vs_copy", "disk_write_vs_raw", "disk_read_vs_raw", "lookup_keys_per_s"}
+    assert result["sim"]["mrc_equals_libcachesim"]  # the timed curve is the right one
+    assert result["sim"]["replay_lru_hit_ratio"] == result["sim"]["libcachesim_lru_hit_ratio"]
+    assert set(result["redis"]["redis_vs_raw"]) == {"256KiB", "1MiB", "4MiB"}
+    assert all(case["tier_get_GBps"] > 0 and case["tier_put_GBps"] > 0 for case in result["redis"]["redis_vs_raw"].values())

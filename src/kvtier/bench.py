@@ -38,6 +38,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvtier import bench_redis, bench_sim
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
 from kvtier.directory import Directory, Op, Plan, Status, Step, TierSpec
@@ -116,6 +117,12 @@ def run(json_path: str | None, quick: bool = False, root: str | None = None) -> 
     result["targets"] = {name: {"target": target, "value": result[name], "met": result[name] >= target}
                          for name, target in TARGETS.items()}
     _print_table(console, result)
+    with console.status("simulator vs libcachesim on the Mooncake conversation trace"):
+        result["sim"] = bench_sim.run(quick=quick)
+    _print_sim_table(console, result["sim"])
+    with console.status("redis tier vs raw redis-py on a local redis-server"):
+        result["redis"] = bench_redis.run(quick=quick)
+    _print_redis_table(console, result["redis"])
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
@@ -498,3 +505,43 @@ def _print_table(console: Console, result: dict) -> None:
     console.print(f"directory of {result['lookup']['directory_blocks']:,} blocks built in "
                   f"{result['lookup']['build_s']:.1f} s; disk benchmark ran in {result['disk']['file_system_dir']} "
                   f"(O_DIRECT tier={result['disk']['tier_o_direct']}, raw={result['disk']['raw_o_direct']})")
+
+
+def _print_sim_table(console: Console, sim: dict) -> None:
+    table = Table(title=f"simulator vs libcachesim: {sim['accesses']:,} block accesses of the Mooncake conversation "
+                  "trace, medians")
+    for column in ("figure", "ours", "libcachesim", "ratio", "target", ""):
+        table.add_column(column, justify="left" if column == "figure" else "right")
+    met = sim.get("targets_met", {})
+
+    def mark(name: str) -> str:
+        return "" if name not in met else ("[green]ok[/]" if met[name] else "[red]MISSED[/]")
+
+    if "libcachesim_lru_points_s" in sim:
+        table.add_row("mrc_vs_libcachesim", f"{sim['mrc_s'] * 1e3:.0f} ms (every capacity)",
+                      f"{sim['libcachesim_lru_points_s'] * 1e3:.0f} ms (10 capacities)",
+                      f"{sim['mrc_vs_libcachesim']:.3f}", "< 1", mark("mrc_vs_libcachesim"))
+    for policy in ("lru", "arc", "s3fifo"):
+        ours = sim.get(f"replay_{policy}_accesses_per_s")
+        theirs = sim.get(f"libcachesim_{policy}_accesses_per_s")
+        if ours is None:
+            continue
+        name = f"replay_{policy}_accesses_per_s"
+        table.add_row(name, f"{ours / 1e6:.2f} M/s", f"{theirs / 1e6:.2f} M/s (C loop)" if theirs else "",
+                      f"{ours / theirs:.3f}" if theirs else "", "≥ 1.00 M/s" if policy == "lru" else "",
+                      mark(name) if policy == "lru" else "")
+    console.print(table)
+
+
+def _print_redis_table(console: Console, redis: dict) -> None:
+    table = Table(title=f"redis tier vs raw redis-py pipelined SET/GET, same server ({redis['parser']} parser)")
+    for column in ("block", "put ours", "put raw", "put ratio", "get ours", "get raw", "get ratio"):
+        table.add_column(column, justify="left" if column == "block" else "right")
+    for size, case in redis["redis_vs_raw"].items():
+        table.add_row(size, f"{case['tier_put_GBps']:.2f} GB/s", f"{case['raw_put_GBps']:.2f} GB/s",
+                      f"{case['put_ratio']:.3f}", f"{case['tier_get_GBps']:.2f} GB/s", f"{case['raw_get_GBps']:.2f} GB/s",
+                      f"{case['get_ratio']:.3f}")
+    console.print(table)
+    ok = redis["min_ratio"] >= redis["target"]
+    console.print(f"redis_vs_raw (min) {redis['min_ratio']:.3f}, target ≥ {redis['target']}: "
+                  + ("[green]ok[/]" if ok else "[red]MISSED[/]"))

@@ -3,14 +3,16 @@ in the same run on the same machine. Medians over several prompts; one fresh eng
 
 - ttft_host_vs_recompute   a ~4k-token prefix evicted from vLLM's cache, back from the host tier, ÷ recomputing it
 - ttft_disk_vs_recompute   the same from the disk tier (O_DIRECT reads: the page cache is bypassed)
-- ttft_host_vs_engine_hit  the host-tier hit ÷ vLLM's own prefix-cache hit of the same prompt
-- p99_ttft_no_reuse_on_vs_off  unique prompts only: p99 TTFT with kvtier (host + disk) ÷ without
+- ttft_host_vs_engine_hit  the host-tier hit ÷ vLLM's own prefix-cache hit of the same prompt, in the same engine
+- p99_ttft_no_reuse_on_vs_off  unique prompts only: p99 TTFT with kvtier (host + disk) ÷ without; engines with and
+                               without alternate, and the figure is the median of the rounds' ratios
 """
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -22,6 +24,7 @@ PROMPT = 4032  # tokens: a ~4k prefix and the last engine block, within the tiny
 FILLER = 2048
 REPS = 5
 UNIQUE = 24
+ROUNDS = 3  # of the no-reuse comparison: a p99 of a few dozen requests is one slow request, so pair and repeat
 BLOCK_NBYTES = 2 * 128 * 2048  # a 256-token block of the tiny model
 
 
@@ -30,8 +33,9 @@ def _tokens(seed: str, n: int) -> list[int]:
     return [rng.randrange(3, 32000) for _ in range(n)]
 
 
-def _engine_main(model: str, config_json: str, out_path: str) -> None:
-    """One engine: per rep, a fresh prompt cold, then after fillers evicted it, then at once again."""
+def _engine_main(model: str, config_json: str, out_path: str, reps: int, unique: int) -> None:
+    """One engine: per rep, a fresh prompt cold, then after fillers evicted it, then at once again; then
+    `unique` prompts that share nothing."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -46,7 +50,7 @@ def _engine_main(model: str, config_json: str, out_path: str) -> None:
 
     ttft(_tokens("warm-up", PROMPT))
     result: dict[str, list] = {"cold": [], "restored": [], "engine_hit": [], "restored_cached": [], "unique": []}
-    for rep in range(REPS):
+    for rep in range(reps):
         prompt = _tokens(f"prompt-{rep}", PROMPT)
         result["cold"].append(ttft(prompt)[0])
         for k in range(3):  # 6,144 tokens of other traffic: the prompt leaves the engine's 48 blocks
@@ -55,7 +59,7 @@ def _engine_main(model: str, config_json: str, out_path: str) -> None:
         result["restored"].append(seconds)
         result["restored_cached"].append(cached)
         result["engine_hit"].append(ttft(prompt)[0])
-    for i in range(UNIQUE):
+    for i in range(unique):
         result["unique"].append(ttft(_tokens(f"unique-{i}", FILLER))[0])
     Path(out_path).write_text(json.dumps(result))
 
@@ -82,26 +86,35 @@ def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
             # 16 host slots: the fillers push the prompt's 16 blocks down to disk, and it comes back from there
             "disk": {"cpu_bytes_to_use": 16 * BLOCK_NBYTES, "secondary_tiers": [disk]},
         }
-        runs = {}
-        for name, extra in configs.items():
+
+        def engine(name: str, reps: int, unique: int) -> dict[str, list]:
             console.print(f"[bold]engine: {name}[/bold]")
             out = root / f"{name}.json"
-            proc = subprocess.run([sys.executable, "-m", "kvtier.integrations.vllm.bench", model, json.dumps(extra),
-                                   str(out)], capture_output=True, text=True)
+            shutil.rmtree(root / "kv", ignore_errors=True)
+            proc = subprocess.run([sys.executable, "-m", "kvtier.integrations.vllm.bench", model,
+                                   json.dumps(configs[name]), str(out), str(reps), str(unique)],
+                                  capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"engine '{name}' failed:\n{proc.stderr[-3000:]}")
-            runs[name] = json.loads(out.read_text())
+            return json.loads(out.read_text())
+
+        runs = {name: engine(name, REPS, 0) for name in configs}
+        no_reuse = [(engine("off", 0, UNIQUE)["unique"], engine("disk", 0, UNIQUE)["unique"]) for _ in range(ROUNDS)]
     med = {name: {k: statistics.median(v) for k, v in r.items() if v} for name, r in runs.items()}
+    p99_ratios = [_p99(on) / _p99(off) for off, on in no_reuse]
     result = {
         "ttft_host_vs_recompute": med["host"]["restored"] / med["off"]["restored"],
         "ttft_disk_vs_recompute": med["disk"]["restored"] / med["off"]["restored"],
-        "ttft_host_vs_engine_hit": med["host"]["restored"] / med["off"]["engine_hit"],
-        "p99_ttft_no_reuse_on_vs_off": _p99(runs["disk"]["unique"]) / _p99(runs["off"]["unique"]),
+        "ttft_host_vs_engine_hit": med["host"]["restored"] / med["host"]["engine_hit"],
+        "p99_ttft_no_reuse_on_vs_off": statistics.median(p99_ratios),
+        "p99_ttft_no_reuse_rounds": p99_ratios,
+        "no_reuse_ttft_ms": [{"off": {"p50": 1e3 * statistics.median(off), "p99": 1e3 * _p99(off)},
+                              "on": {"p50": 1e3 * statistics.median(on), "p99": 1e3 * _p99(on)}} for off, on in no_reuse],
         "ttft_ms": {name: {k: 1e3 * v for k, v in m.items() if k != "restored_cached"} for name, m in med.items()},
         "restored_cached_tokens": {name: r["restored_cached"] for name, r in runs.items()},
         "targets": {"ttft_host_vs_recompute": 0.3, "ttft_disk_vs_recompute": 0.5, "ttft_host_vs_engine_hit": 1.5,
                     "p99_ttft_no_reuse_on_vs_off": 1.05},
-        "prompt_tokens": PROMPT, "repetitions": REPS,
+        "prompt_tokens": PROMPT, "repetitions": REPS, "unique_prompts": UNIQUE, "no_reuse_rounds": ROUNDS,
     }
     table = Table(title=f"kvtier on vLLM (CPU, tiny model): TTFT ratios, medians of {REPS} prompts of {PROMPT} tokens")
     for col in ("figure", "ratio", "target", ""):
@@ -117,4 +130,4 @@ def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
 
 
 if __name__ == "__main__":
-    _engine_main(sys.argv[1], sys.argv[2], sys.argv[3])
+    _engine_main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
