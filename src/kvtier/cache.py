@@ -8,6 +8,11 @@
 A block is one tensor of `block_shape` and `dtype`; its bytes are stored as they are (never converted), so a
 loaded block is bit-identical to the stored one. Tensors passed to `store` must not change until `flush()`
 (vLLM's connector holds its blocks the same way until the store completes).
+
+With a `redis` tier, caches of the same namespace (model, dtype, block shape, rank, tenant salt) share it,
+in one process or on many machines: what one stores (written through from its host tier, in the
+background), another finds by `lookup` and gets by `load`, fetched into its own host tier. Redis down or
+slow costs at most its timeouts, then nothing (the breaker opens): lookups miss it, stores skip it.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from kvtier.mover import Mover, Store
 from kvtier.policies.base import DEFAULT_PRIORITY
 from kvtier.stores.disk import DiskStore
 from kvtier.stores.host import HostSlab
-from kvtier.tiers import HOST, tier_names, tier_specs
+from kvtier.stores.redis import RedisStore
+from kvtier.tiers import HOST, local_tiers, shared_spec, shared_tier, tier_specs
 
 
 class TieredCache:
@@ -51,19 +57,30 @@ class TieredCache:
             tenant_salt=config.tenant_salt,
         )
         specs = tier_specs(config, self.payload_nbytes, world_size)
+        shared = shared_tier(config)
         self.stores: dict[str, Store] = {HOST: HostSlab(specs[0].capacity_blocks, self.payload_nbytes)}
-        for name, tier in zip(tier_names(config)[1:], config.secondary_tiers):
+        for name, tier in local_tiers(config):
             self.stores[name] = DiskStore(tier.root_dir, self.namespace.digest(), rank, self.payload_nbytes,
                                           o_direct=tier.o_direct)
+        self.shared: str | None = None  # the shared tier's name
+        if shared is not None:
+            self.shared, redis_tier = shared
+            self.stores[self.shared] = RedisStore.from_config(redis_tier, self.namespace.digest(), self.payload_nbytes)
         self._lock = threading.RLock()
-        self.directory = Directory(specs, clock=clock)
-        self.metrics = Metrics(self.directory, config.block_size, tier_enabled=lambda name: True)
-        threads = config.secondary_tiers[0] if config.secondary_tiers else None
+        self.directory = Directory(specs, clock=clock, shared=shared_spec(config, self.payload_nbytes))
+        self.metrics = Metrics(
+            self.directory, config.block_size, tier_enabled=lambda name: True, lock=self._lock,
+            shared={self.shared: self.stores[self.shared]} if self.shared else None,  # type: ignore[dict-item]
+        )
+        local = local_tiers(config)
+        threads = local[0][1] if local else None
         self.mover = Mover(
             self.stores, self._report, self.metrics,
             n_read_threads=threads.n_read_threads if threads else 2,
             n_write_threads=threads.n_write_threads if threads else 2,
             queue_depth=config.queue_depth,
+            n_shared_read_threads=shared[1].n_read_threads if shared else 1,
+            n_shared_write_threads=shared[1].n_write_threads if shared else 1,
         )
         self._recover()
 
@@ -93,9 +110,17 @@ class TieredCache:
         return sum(1 for chain in plan.chains for step in chain if step.op is Op.PUT)
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """Leading blocks readable now, from any tier. No side effects."""
+        """Leading blocks readable now, from any tier (the shared one is asked for the blocks after the local
+        prefix: one round trip). No side effects."""
         with self._lock:
-            return len(self.directory.lookup(keys))
+            local = len(self.directory.lookup(keys))
+        return local + self._lookup_shared(keys, local)
+
+    def _lookup_shared(self, keys: Sequence[bytes], local: int) -> int:
+        """How many blocks after `keys[:local]` the shared tier holds (0 without one, or with Redis away)."""
+        if self.shared is None or local >= len(keys):
+            return 0
+        return self.mover.lookup_shared(self.shared, keys[local:])
 
     def load(
         self, keys: Sequence[bytes], device: torch.device | str | None = None,
@@ -108,7 +133,8 @@ class TieredCache:
         no allocation, so no first-touch page faults (`device` is then ignored).
 
         A block that turns out corrupt or missing on its tier ends the prefix there: it is a miss, and it
-        is never returned.
+        is never returned. Blocks after the local prefix that the shared tier holds are fetched from it,
+        staged through the host tier.
         """
         if out is not None:
             if len(out) != len(keys):
@@ -117,8 +143,13 @@ class TieredCache:
                 self._check(block)
                 if not block.is_contiguous():
                     raise ValueError("load: out tensors must be contiguous")
+        shared_end = 0
+        if self.shared is not None:
+            with self._lock:
+                local = len(self.directory.lookup(keys))
+            shared_end = local + self._lookup_shared(keys, local)  # network: outside the lock
         with self._lock:
-            plan = self.directory.plan_load(keys)
+            plan = self.directory.plan_load(keys, shared_end=shared_end)
             self.directory.record_lookup(plan.sources, len(keys))
         if out is None:
             out = [torch.empty(self.block_shape, dtype=self.dtype, device=device or "cpu") for _ in plan.keys]
@@ -148,8 +179,7 @@ class TieredCache:
         self.close()
 
     def snapshot(self) -> dict:
-        with self._lock:
-            return self.metrics.snapshot()
+        return self.metrics.snapshot()  # takes our lock to read the directory, and only for that
 
     # ---------------------------------------------------------------- internals
 

@@ -10,6 +10,14 @@ reports each step back through `complete`, and only then does a copy become read
 Invariants kept here (each has a test): every tier stays within its bytes; a pinned, writing or
 being-read copy is never evicted; a writing copy is never readable; a block whose parent is in no tier is
 dropped with all its descendants (no orphans); eviction prefers blocks whose loss orphans nothing.
+
+A *shared* tier (Redis, `SharedSpec`) is different: other engines add and remove its blocks, so the directory
+owns neither its contents nor its bytes (the store keeps both, for all engines). The directory only plans
+moves through it: write-through from the first tier (`plan_store`: a COPY first->shared step for each block
+of the chain with a first-tier copy, parents first) and fetches into the first tier (`plan_load` with
+`shared_end`: the caller asked the store which blocks after the local prefix it holds). A fetched block enters
+the directory like a promoted one (a WRITING first-tier copy, pinned, then a GET); a fetch that fails or finds
+the value gone, corrupt or foreign completes not OK, and the block leaves with its descendants: a miss.
 """
 
 from __future__ import annotations
@@ -117,6 +125,15 @@ class TierSpec:
             )
 
 
+@dataclass
+class SharedSpec:
+    """A tier shared with other engines: known to the directory only as a place to write to and fetch from."""
+
+    name: str
+    block_bytes: int  # what one block costs its write path (the admission budget)
+    admission: AdmissionRule = field(default_factory=AdmissionRule)
+
+
 class Tier:
     """A tier's live accounting: bytes used (including deletes still pending), free slots, policy order."""
 
@@ -160,15 +177,17 @@ class Directory:
         clock: Callable[[], float] = time.monotonic,
         record_events: bool = False,
         sightings_capacity: int | None = None,
+        shared: SharedSpec | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("a directory needs at least one tier")
-        names = [t.name for t in tiers]
+        names = [t.name for t in tiers] + ([shared.name] if shared is not None else [])
         if len(set(names)) != len(names) or CALLER in names:
             raise ValueError(f"tier names must be unique and not {CALLER!r}: {names}")
         self.tiers = [Tier(spec, i) for i, spec in enumerate(tiers)]
         self.tier = {t.name: t for t in self.tiers}
-        self._order = names
+        self._order = [t.name for t in tiers]
+        self.shared = shared
         self.clock = clock
         self.stats = DirectoryStats()
         self._blocks: dict[bytes, Block] = {}
@@ -219,14 +238,20 @@ class Directory:
 
     # ---------------------------------------------------------------- loads
 
-    def plan_load(self, keys: Sequence[bytes]) -> Plan:
-        """Pin the readable prefix and plan its way to the caller; blocks in slower tiers are staged in the first."""
+    def plan_load(self, keys: Sequence[bytes], shared_end: int = 0) -> Plan:
+        """Pin the readable prefix and plan its way to the caller; blocks in slower tiers are staged in the first.
+
+        `shared_end`: the shared tier holds `keys[:shared_end]` beyond the local prefix (the caller asked it,
+        outside the directory); those blocks are fetched through the first tier after the local prefix, as far
+        as room allows. A stale answer costs a failed fetch (a miss), never a wrong block.
+        """
         sources = self.lookup(keys)
         first = self.tiers[0]
         plan = Plan(chains=[], keys=list(keys[: len(sources)]), sources=sources)
         for key in plan.keys:
             self._blocks[key].pins += 1
         promoted: list[Block] = []
+        whole = True  # the local prefix is planned to its end: fetches may follow it
         for i, (key, source) in enumerate(zip(plan.keys, sources)):
             block = self._blocks[key]
             block.seen += 1
@@ -236,6 +261,7 @@ class Directory:
             if first.name in block.copies:  # another load is staging it: its slot is taken, its bytes not there yet
                 self.finish_load(Plan(chains=[], keys=plan.keys[i:]))
                 del plan.keys[i:], plan.sources[i:]
+                whole = False
                 break
             chain: list[Step] = []
             try:
@@ -246,6 +272,7 @@ class Directory:
                 del plan.keys[i:], plan.sources[i:]
                 if chain:  # evictions planned before we ran out of room still have to happen
                     plan.chains.append(chain)
+                whole = False
                 break
             src = block.copies[source]
             block.copies[first.name] = Copy(slot, State.WRITING)
@@ -255,10 +282,50 @@ class Directory:
             self.stats.planned_moves[(source, first.name)] += 1
             plan.chains.append(chain)
             promoted.append(block)
+        fetched = self._plan_fetch(plan, keys, shared_end) if whole else []
         for block in promoted:
+            first.policy.insert(block.key, block.priority)
+        for block in reversed(fetched):  # leaf first: ancestors end up more recent than descendants
             first.policy.insert(block.key, block.priority)
         self._touch_chain([self._blocks[k] for k in plan.keys if k in self._blocks])
         return plan
+
+    def _plan_fetch(self, plan: Plan, keys: Sequence[bytes], shared_end: int) -> list[Block]:
+        """Extend a load past its local prefix with blocks fetched from the shared tier into the first tier."""
+        shared, first = self.shared, self.tiers[0]
+        fetched: list[Block] = []
+        if shared is None:
+            return fetched
+        for i in range(len(plan.keys), min(shared_end, len(keys))):
+            key = keys[i]
+            parent = keys[i - 1] if i else None
+            if key in self._blocks or key in self._retiring:  # here, but not readable: a transfer is on it
+                break
+            chain: list[Step] = []
+            try:
+                slot = self._allocate(first, chain, key)
+            except NoRoom:
+                self.stats.stores_dropped["no_space"] += 1
+                if chain:
+                    plan.chains.append(chain)
+                break
+            if parent is not None and parent not in self._blocks:  # never: the parent is pinned by this load
+                self._unallocate(first, slot, chain)
+                if chain:
+                    plan.chains.append(chain)
+                break
+            block = Block(key, parent, DEFAULT_PRIORITY, seen=self._sightings.pop(key, 0) + 1, pins=1)
+            block.copies[first.name] = Copy(slot, State.WRITING)
+            first.used_blocks += 1
+            self._link(block)
+            chain.append(Step(Op.COPY, key, shared.name, first.name, None, slot, parent=parent))
+            chain.append(Step(Op.GET, key, first.name, CALLER, src_slot=slot, index=i, needs_prev=True))
+            self.stats.planned_moves[(shared.name, first.name)] += 1
+            plan.chains.append(chain)
+            plan.keys.append(key)
+            plan.sources.append(shared.name)
+            fetched.append(block)
+        return fetched
 
     def finish_load(self, plan: Plan) -> None:
         """Unpin a load's prefix once the caller holds its bytes."""
@@ -279,8 +346,14 @@ class Directory:
 
         Blocks already present are touched. The chain stops at the first block that is not admitted or finds
         no room: storing its descendants would create orphans.
+
+        With a shared tier, every block of the chain that has a first-tier copy (new or not) is also written
+        through to it, parents first, until the shared tier's admission refuses one. Its step is the last of
+        the block's chain (or a chain of its own); the mover runs these steps as batches after the rest of
+        the plan, and skips the blocks the shared tier already holds.
         """
         first = self.tiers[0]
+        offer = self.shared is not None  # write-through to the shared tier, until its admission says no
         through = [t for t in self.tiers[1:] if t.spec.write_through]
         plan = Plan(chains=[])
         chain_blocks: list[Block] = []
@@ -298,6 +371,8 @@ class Directory:
                 held.append(block)
                 block.pins += 1
                 parent_key = key
+                if offer:
+                    offer = self._offer_shared(block, plan.chains, new=False)
                 continue
             reason = self._store_refusal(key, parent_key, priority, first)
             if reason is not None:
@@ -328,12 +403,16 @@ class Directory:
             self.stats.planned_moves[(CALLER, first.name)] += 1
             for tier in through:
                 self._copy_down(block, first, tier, chain, needs_prev=True)
+            if offer:
+                offer = self._offer_shared(block, chain, new=True)
             plan.chains.append(chain)
             chain_blocks.append(block)
             new.add(key)
             parent_key = key
         self.finish_load(Plan(chains=[], keys=[b.key for b in held]))
         for block in reversed(chain_blocks):  # leaf first: ancestors end up more recent than descendants
+            if self._blocks.get(block.key) is not block:  # dropped while planning (retiring until its steps end)
+                continue
             for name, copy in block.copies.items():
                 policy = self.tier[name].policy
                 if block.key in new:
@@ -341,6 +420,35 @@ class Directory:
                 elif copy.state is State.READY and block.key in policy:
                     policy.touch(block.key)
         return plan
+
+    def _offer_shared(self, block: Block, chains: list, new: bool) -> bool:
+        """Plan writing `block` through from the first tier to the shared tier; False once admission refuses
+        (its descendants would be orphans there). A new block's step is appended to its own chain (`chains`
+        is that chain) after its PUT; an existing block's is a chain of its own, appended to `chains`."""
+        shared, first = self.shared, self.tiers[0]
+        assert shared is not None
+        copy = block.copies.get(first.name)
+        if copy is None or block.doomed or (copy.state is not State.READY and not new):
+            return True  # no bytes in the first tier to send (the shared tier may hold it anyway)
+        # an existing block is most likely in the shared tier already: it spends none of the byte budget
+        nbytes = shared.block_bytes if new else 0
+        reason = shared.admission.reject_reason(block.priority, block.seen, nbytes, self.clock())
+        if reason is not None:
+            self.stats.admission_rejects[(shared.name, reason)] += 1
+            return False
+        # Pinned, not just held (readers): no copy of the shared tier keeps it in the directory, and a failed
+        # PUT removes its first-tier copy at once; the pin keeps this very block (retiring, if it was dropped)
+        # until the step completes, so that no later block of the same key takes the completion for its own.
+        # Its first-tier copy stays put (and its slot unused by others) as long as the pin.
+        block.pins += 1
+        step = Step(Op.COPY, block.key, first.name, shared.name, copy.slot, None, parent=block.parent,
+                    needs_prev=new)
+        if new:
+            chains.append(step)
+        else:
+            chains.append([step])
+        self.stats.planned_moves[(first.name, shared.name)] += 1
+        return True
 
     def _store_refusal(self, key: bytes, parent_key: bytes | None, priority: int, first: Tier) -> str | None:
         if key in self._retiring:
@@ -416,6 +524,11 @@ class Directory:
             return
         block = self._blocks.get(step.key) or self._retiring.get(step.key)
         if block is None:
+            return
+        if self.shared is not None and step.dst == self.shared.name:  # a write-through: it pinned the block
+            block.pins -= 1
+            if block.doomed:
+                self._release_idle(block)
             return
         if step.holds_src and (src := block.copies.get(step.src)) is not None:
             src.readers -= 1

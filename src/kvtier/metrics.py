@@ -2,15 +2,22 @@
 
 The directory and the mover keep plain counters (cheap on the hot path); a collector turns them into
 Prometheus families at scrape time. Only move latencies are observed live, into a histogram.
+
+A shared tier (Redis) appears under its name in the same families (`source="redis"`, moves host<->redis,
+`integrity_failures{tier="redis"}`, `tier_used_bytes{tier="redis"}`: all engines' bytes under its prefix, as
+the store counts them), plus its circuit breaker: `kvtier_redis_breaker_state` (0 closed, 1 half-open,
+2 open) and `kvtier_redis_breaker_opens_total`. Stores it refused or never tried are
+`kvtier_stores_dropped_total{reason="breaker_open"|"redis_orphan"|"redis_no_room"|"redis_queue_full"|...}`.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -18,6 +25,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 if TYPE_CHECKING:
     from kvtier.directory import Directory
 
+class SharedStore(Protocol):
+    """What metrics read from a shared tier's store (RedisStore): local counters, and its byte count."""
+
+    max_bytes: int
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def used_bytes(self) -> int | None: ...
+
+
+BREAKER_GAUGE = {"closed": 0, "half_open": 1, "open": 2}
 MOVE_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 
 
@@ -37,12 +55,17 @@ class Metrics:
     """One registry per cache, so that two caches in one process never mix their numbers."""
 
     def __init__(
-        self, directory: Directory | None, block_tokens: int, tier_enabled: Callable[[str], bool] = lambda _: True
+        self, directory: Directory | None, block_tokens: int, tier_enabled: Callable[[str], bool] = lambda _: True,
+        shared: Mapping[str, SharedStore] | None = None, lock: AbstractContextManager | None = None,
     ) -> None:
-        """`directory` is None where only bytes move (a vLLM worker): then only the data plane's figures exist."""
+        """`directory` is None where only bytes move (a vLLM worker): then only the data plane's figures exist.
+        `shared`: the shared tiers' stores by name, where this process has them. `lock`: held while the
+        directory is read (the caller's lock around it); never while a shared store is asked for its bytes."""
         self.directory = directory
         self.block_tokens = block_tokens
         self.tier_enabled = tier_enabled
+        self.shared = dict(shared or {})
+        self.lock = lock if lock is not None else nullcontext()
         self.moves = MoveStats()
         self.registry = CollectorRegistry()
         self.move_seconds = Histogram(
@@ -70,6 +93,13 @@ class Metrics:
 
     def snapshot(self) -> dict:
         """Every figure as plain data, for reports and `--json`."""
+        with self.lock:
+            snap = self._snapshot()
+        if self.shared:  # asks the shared store for its byte count: outside the lock, bounded by its timeouts
+            self._add_shared(snap)
+        return snap
+
+    def _snapshot(self) -> dict:
         d = self.directory
         with self.moves.lock:
             moves = {f"{s}->{t}": n for (s, t), n in self.moves.moves.items()}
@@ -97,7 +127,19 @@ class Metrics:
             "stores_dropped": dict(dropped),
             "integrity_failures": integrity,
             "orphan_blocks": d.orphans(),
+            "orphan_blocks_by_tier": d.orphans_by_tier(),
         }
+
+    def _add_shared(self, snap: dict) -> None:
+        """The shared tiers' figures: their stores' counters and breakers, and the bytes all engines use."""
+        snap["shared"] = {}
+        for name, store in self.shared.items():
+            stats = store.stats()
+            snap["shared"][name] = stats
+            snap.setdefault("tiers", {})[name] = {"used_bytes": store.used_bytes(), "capacity_bytes": store.max_bytes,
+                                                  "enabled": self.tier_enabled(name)}  # fmt: skip
+            if stats.get("evictions") and "evictions" in snap:  # what this engine's puts evicted
+                snap["evictions"][f"{name}/capacity"] = stats["evictions"]
 
 
 class _Collector:
@@ -117,23 +159,33 @@ class _Collector:
         def gauge(name: str, doc: str, values: dict[str, float]) -> GaugeMetricFamily:
             fam = GaugeMetricFamily(name, doc, labels=["tier"])
             for tier, value in values.items():
-                fam.add_metric([tier], value)
+                if value is not None:  # a shared tier that did not answer has no figure, rather than a wrong one
+                    fam.add_metric([tier], value)
             return fam
 
-        with m.moves.lock:
-            moves, nbytes = dict(m.moves.moves), dict(m.moves.bytes)
-        yield counter("kvtier_moves", "Blocks moved", ["src", "dst"], moves)
-        yield counter("kvtier_move_bytes", "Bytes moved", ["src", "dst"], nbytes)
+        def pairs(items: dict) -> dict:
+            return {tuple(k.split("->" if "->" in k else "/", 1)): v for k, v in items.items()}
+
+        yield counter("kvtier_moves", "Blocks moved", ["src", "dst"], pairs(snap["moves"]))
+        yield counter("kvtier_move_bytes", "Bytes moved", ["src", "dst"], pairs(snap["move_bytes"]))
         yield counter("kvtier_stores_dropped", "Block stores dropped", ["reason"], snap["stores_dropped"])
         yield counter("kvtier_integrity_failures", "Corrupt, torn or foreign blocks detected", ["tier"],
                       snap["integrity_failures"])
+        shared = snap.get("shared", {})
+        if shared:
+            state = GaugeMetricFamily("kvtier_redis_breaker_state",
+                                      "Circuit breaker of the shared tier: 0 closed, 1 half-open, 2 open")
+            state.add_metric([], max(BREAKER_GAUGE[s["breaker_state"]] for s in shared.values()))
+            yield state
+            yield CounterMetricFamily("kvtier_redis_breaker_opens", "Times the shared tier's breaker opened",
+                                      value=sum(s["breaker_opens"] for s in shared.values()))
         if d is None:
             return
-        tokens = {k: v * m.block_tokens for k, v in d.stats.lookup_blocks.items()}
-        yield counter("kvtier_lookup_tokens", "Tokens looked up, by where they were found", ["source"], tokens)
-        yield counter("kvtier_evictions", "Blocks evicted", ["tier", "reason"], dict(d.stats.evictions))
+        yield counter("kvtier_lookup_tokens", "Tokens looked up, by where they were found", ["source"],
+                      snap["lookup_tokens"])
+        yield counter("kvtier_evictions", "Blocks evicted", ["tier", "reason"], pairs(snap["evictions"]))
         yield counter("kvtier_admission_rejects", "Blocks refused by a tier's admission rule", ["tier", "reason"],
-                      dict(d.stats.admission_rejects))
+                      pairs(snap["admission_rejects"]))
         tiers = snap["tiers"]
         yield gauge("kvtier_tier_used_bytes", "Bytes held by a tier", {t: v["used_bytes"] for t, v in tiers.items()})
         yield gauge("kvtier_tier_capacity_bytes", "Configured bytes of a tier",
@@ -141,4 +193,4 @@ class _Collector:
         yield gauge("kvtier_tier_enabled", "1 while a tier serves, 0 once the guard turned it off",
                     {t: float(v["enabled"]) for t, v in tiers.items()})
         yield gauge("kvtier_orphan_blocks", "Blocks whose parent is in no tier (a bug if not 0)",
-                    d.orphans_by_tier())
+                    snap["orphan_blocks_by_tier"])

@@ -8,6 +8,14 @@
   False and the caller counts a dropped store. Loads are waited for: the request needs the bytes.
 - A slot is never reused while a transfer touches it: the directory only hands out a slot after its
   previous content left (in the same chain, earlier) and marks copies READY only on completion.
+- A shared tier (Redis) is driven in batches, one pipelined call per batch, on its own pools: a step that
+  touches it is cut out of its chain. A store's shared steps (write-through host->redis, parents first) run
+  after the rest of the plan, as one background job: per batch, an EXISTS, then one put of the missing
+  blocks; its place in the store queue is given back before, so a slow Redis never holds up local
+  stores (shared writes have a queue of their own, and drop, counted, when it is full). A load's fetches
+  (redis->host) run after the steps before them in their chains (evictions), in parallel batches, then
+  their GETs. Every call is bounded by the store's timeouts; with its breaker open nothing is tried: fetches
+  fail (the prefix ends there) and writes are dropped, counted in `kvtier_stores_dropped_total{reason}`.
 """
 
 from __future__ import annotations
@@ -25,10 +33,13 @@ import torch
 from kvtier.directory import CALLER, Op, Plan, Status, Step
 from kvtier.metrics import Metrics
 from kvtier.stores.base import ReadStatus
+from kvtier.stores.breaker import BreakerState
 from kvtier.stores.disk import DiskStore
 from kvtier.stores.host import HostSlab
+from kvtier.stores.redis import PutStatus, RedisStore
 
-Store = HostSlab | DiskStore
+Store = HostSlab | DiskStore | RedisStore
+SHARED_BATCH_BYTES = 32 << 20  # payload bytes in one pipelined call to a shared tier
 Block = torch.Tensor | Sequence[torch.Tensor | int]  # see copy_into_slot
 Report = Callable[[Sequence[Step], Status], None]  # one status for all of these steps
 log = logging.getLogger(__name__)
@@ -44,6 +55,8 @@ class Mover:
         n_write_threads: int = 4,
         queue_depth: int = 64,
         cpus: set[int] | None = None,
+        n_shared_read_threads: int = 4,
+        n_shared_write_threads: int = 2,
     ) -> None:
         """`cpus`: where the mover's threads may run. An engine that pins its compute threads to some cores
         (vLLM's CPU backend does) would otherwise hand that pinning to our threads, which then queue behind
@@ -55,6 +68,14 @@ class Mover:
         self._reads = ThreadPoolExecutor(n_read_threads, thread_name_prefix="kvtier-read", initializer=init)
         self._writes = ThreadPoolExecutor(n_write_threads, thread_name_prefix="kvtier-write", initializer=init)
         self._store_slots = threading.BoundedSemaphore(queue_depth)
+        self._shared = {name for name, store in stores.items() if isinstance(store, RedisStore)}
+        self._shared_reads = self._shared_writes = None
+        if self._shared:
+            self._shared_reads = ThreadPoolExecutor(n_shared_read_threads, thread_name_prefix="kvtier-shared-read",
+                                                    initializer=init)
+            self._shared_writes = ThreadPoolExecutor(n_shared_write_threads, thread_name_prefix="kvtier-shared-write",
+                                                     initializer=init)
+        self._shared_slots = threading.BoundedSemaphore(queue_depth)  # shared write jobs waiting or running
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
 
@@ -68,21 +89,36 @@ class Mover:
         self._store_slots.release()
 
     def store(self, plan: Plan, blocks: Sequence[Block]) -> None:
-        """Run a store plan in the background; the place `reserve_store` took is freed when all of it is done."""
-        batch, chains = self._split(plan, Op.PUT)
-        tasks = [partial(self._run_chain, chain, blocks, None) for chain in chains]
+        """Run a store plan in the background; the place `reserve_store` took is freed when its local part is
+        done. Its shared-tier writes follow as one job (see the module's doc)."""
+        plain, cut = self._cut(plan.chains, last_only=True)
+        batch, chains = self._split(Plan(chains=plain + [before for before, _, _ in cut if before]), Op.PUT)
+        failed: set[bytes] = set()  # keys whose PUT failed: their write-through steps are skipped
+        tasks = [partial(self._run_chain, chain, blocks, None, None, failed) for chain in chains]
         if batch:
-            tasks.append(partial(self._run_batch, batch, blocks, None))
+            tasks.append(partial(self._run_batch, batch, blocks, None, None, failed))
+        shared = [step for _, step, _ in cut]
+        shared_done: Future | None = None
+        if shared:
+            shared_done = Future()  # tracked from now on, so that flush() also waits for the shared job
+            self._track(shared_done)
         remaining = [len(tasks)]
         lock = threading.Lock()
+
+        def local_done() -> None:
+            self._store_slots.release()
+            if shared_done is not None:
+                self._submit_shared_writes(shared, failed, shared_done)
 
         def one_done(_: Future) -> None:
             with lock:
                 remaining[0] -= 1
                 last = remaining[0] == 0
             if last:
-                self._store_slots.release()
+                local_done()
 
+        if not tasks:
+            local_done()
         for task in tasks:
             future = self._writes.submit(task)
             self._track(future)
@@ -91,16 +127,40 @@ class Mover:
     def load(self, plan: Plan, out: Sequence[Block]) -> list[bool]:
         """Run a load plan and wait for it; True for each `out[i]` that now holds its block.
 
-        Host hits are copied in the caller's thread; promotions from slower tiers run on the read pool.
+        Host hits are copied in the caller's thread; promotions from slower tiers run on the read pool;
+        fetches from a shared tier run as batches once the evictions that make room for them are done.
         """
         delivered = [False] * len(out)
-        batch, chains = self._split(plan, Op.GET)
+        plain, cut = self._cut(plan.chains, last_only=False)
+        batch, chains = self._split(Plan(chains=plain), Op.GET)
         futures = [self._reads.submit(self._run_chain, chain, None, out, delivered) for chain in chains]
+        failed: set[bytes] = set()  # keys whose fetch failed: their GETs are skipped
+        befores = [self._reads.submit(self._run_chain, before, None, out, delivered, failed)
+                   for before, _, _ in cut if before]  # fmt: skip
         if batch:
             self._run_batch(batch, None, out, delivered)
+        if cut:
+            for f in befores:
+                f.result()
+            groups = self._batches([step for _, step, _ in cut])
+            if len(groups) == 1:
+                self._run_shared_reads(groups[0], failed)
+            else:
+                assert self._shared_reads is not None
+                for f in [self._shared_reads.submit(self._run_shared_reads, g, failed) for g in groups]:
+                    f.result()
+            for _, _, after in cut:
+                if after:
+                    self._run_chain(after, None, out, delivered, failed)
         for f in futures:
             f.result()
         return delivered
+
+    def lookup_shared(self, tier: str, keys: Sequence[bytes]) -> int:
+        """How many leading blocks of `keys` the shared tier holds now (one round trip; 0 with its breaker
+        open or Redis away). Another engine may evict them a moment later: a fetch then fails, a miss."""
+        store: RedisStore = self.stores[tier]  # type: ignore[assignment]
+        return store.lookup(keys) if keys else 0
 
     def delete(self, steps: Sequence[Step]) -> None:
         """Garbage deletes (dropped blocks' files), in the background."""
@@ -118,8 +178,9 @@ class Mover:
 
     def close(self) -> None:
         self.flush()
-        self._reads.shutdown(wait=True)
-        self._writes.shutdown(wait=True)
+        for pool in (self._reads, self._writes, self._shared_reads, self._shared_writes):
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     # ---------------------------------------------------------------- execution
 
@@ -139,7 +200,7 @@ class Mover:
 
     def _run_batch(
         self, steps: list[Step], blocks: Sequence[Block] | None, out: Sequence[Block] | None,
-        delivered: list[bool] | None = None,
+        delivered: list[bool] | None = None, failed: set[bytes] | None = None,
     ) -> None:
         """Many caller<->host copies in one go, straight between the caller's tensors and the slots."""
         start = time.perf_counter()
@@ -163,13 +224,16 @@ class Mover:
         if status is Status.OK and delivered is not None:
             for step in steps:
                 delivered[step.index] = True
+        if status is not Status.OK and failed is not None:
+            failed.update(step.key for step in steps)
         self.report(steps, status)
 
     def _run_chain(
         self, chain: list[Step], blocks: Sequence[Block] | None, out: Sequence[Block] | None,
-        delivered: list[bool] | None = None,
+        delivered: list[bool] | None = None, failed: set[bytes] | None = None,
     ) -> None:
-        failed: set[bytes] = set()  # keys whose bytes did not arrive where later steps of the chain read them
+        if failed is None:
+            failed = set()  # keys whose bytes did not arrive where later steps of the chain read them
         for step in chain:
             if step.needs_prev and step.key in failed:
                 status = Status.FAILED
@@ -223,6 +287,156 @@ class Mover:
         else:
             store.write(step.key, step.parent, data)
         return Status.OK, data.numel()
+
+    # ---------------------------------------------------------------- the shared tier, in batches
+
+    def _cut(
+        self, chains: list[list[Step]], last_only: bool
+    ) -> tuple[list[list[Step]], list[tuple[list[Step], Step, list[Step]]]]:
+        """Chains that touch no shared tier, and the others cut around their one shared step: (before, step,
+        after). A chain that does not fit that shape runs as it is, step by step (single-block calls)."""
+        plain, cut = [], []
+        for chain in chains:
+            at = [i for i, step in enumerate(chain) if step.src in self._shared or step.dst in self._shared]
+            if len(at) != 1 or (last_only and at[0] != len(chain) - 1):
+                plain.append(chain)
+            else:
+                i = at[0]
+                cut.append((chain[:i], chain[i], chain[i + 1 :]))
+        return plain, cut
+
+    def _batches(self, steps: list[Step]) -> list[list[Step]]:
+        """Consecutive runs of steps on one shared tier, each within SHARED_BATCH_BYTES."""
+        groups: list[list[Step]] = []
+        for step in steps:
+            tier = step.src if step.src in self._shared else step.dst
+            per = max(1, SHARED_BATCH_BYTES // self.stores[tier].payload_nbytes)
+            last = groups[-1] if groups else None
+            if last is None or len(last) >= per or tier not in (last[0].src, last[0].dst):
+                groups.append([step])
+            else:
+                last.append(step)
+        return groups
+
+    def _submit_shared_writes(self, steps: list[Step], failed: set[bytes], done: Future) -> None:
+        """Queue a store's write-through to the shared tier; drop it (counted) when that queue is full."""
+        if not self._shared_slots.acquire(blocking=False):
+            self._drop_shared(steps, "queue_full")
+            done.set_result(None)
+            return
+
+        def job() -> None:
+            try:
+                self._run_shared_writes(steps, failed)
+            except Exception:  # a bug: its steps were reported FAILED; make it loud, keep the mover going
+                log.exception("kvtier shared-tier write job failed")
+            finally:
+                self._shared_slots.release()
+                done.set_result(None)
+
+        try:
+            assert self._shared_writes is not None
+            self._shared_writes.submit(job)
+        except RuntimeError:  # shut down
+            self._shared_slots.release()
+            self._drop_shared(steps, "closed")
+            done.set_result(None)
+
+    def _drop_shared(self, steps: Sequence[Step], reason: str, tier: str | None = None) -> None:
+        if steps:
+            label = reason if reason == "breaker_open" else f"{tier or steps[0].dst}_{reason}"
+            self.metrics.count("stores_dropped", label, len(steps))
+            self.report(steps, Status.FAILED)
+
+    def _run_shared_writes(self, steps: list[Step], failed: set[bytes]) -> None:
+        """Write-through, parents first: one EXISTS round trip for all, then pipelined puts of the missing
+        blocks whose parent the tier holds (or gets earlier in this job). Every step is reported once."""
+        unreported = {id(s): s for s in steps}
+
+        def report(group: Sequence[Step], status: Status, reason: str | None = None) -> None:
+            for s in group:
+                del unreported[id(s)]
+            if reason is not None:
+                self._drop_shared(group, reason)
+            elif group:
+                self.report(group, status)
+
+        held: set[bytes] = set()  # keys the tier holds (found, or put by this job)
+        try:
+            report([s for s in steps if s.needs_prev and s.key in failed], Status.FAILED)  # the PUT failed
+            for group in self._batches([s for s in steps if id(s) in unreported]):
+                self._write_shared_batch(group, report, held)
+        except Exception:
+            report(list(unreported.values()), Status.FAILED, "failed")
+            raise
+
+    def _write_shared_batch(self, steps: list[Step], report: Callable[..., None], held: set[bytes]) -> None:
+        tier = steps[0].dst
+        store: RedisStore = self.stores[tier]  # type: ignore[assignment]
+        keys = [s.key for s in steps]
+        mine = set(keys)
+        parents = list(dict.fromkeys(s.parent for s in steps
+                                     if s.parent is not None and s.parent not in held and s.parent not in mine))
+        present = store.exists_many(keys + parents)
+        if not any(present) and store.breaker.state is BreakerState.OPEN:
+            report(steps, Status.FAILED, "breaker_open")  # not tried (or just failed): don't send the bytes
+            return
+        held.update(k for k, p in zip(keys + parents, present) if p)
+        report([s for s in steps if s.key in held], Status.OK)  # another engine (or an earlier store) has it
+        send: list[Step] = []
+        for s in steps:
+            if s.key in held:
+                continue
+            if s.parent is None or s.parent in held:
+                send.append(s)
+                held.add(s.key)  # for its children: the store refuses them (ORPHAN) if this put fails
+            else:
+                report([s], Status.FAILED, "orphan")  # its parent is not in the tier: it would be refused
+        if not send:
+            return
+        start = time.perf_counter()
+        statuses = store.put_many([(s.key, s.parent, self._host_bytes(s)) for s in send])
+        each = (time.perf_counter() - start) / len(send)
+        stored = sum(1 for st in statuses if st is PutStatus.STORED)
+        if stored:
+            self.metrics.observe_move(steps[0].src, tier, store.payload_nbytes, each, count=stored)
+        for s, st in zip(send, statuses):
+            if st not in (PutStatus.STORED, PutStatus.EXISTS):
+                held.discard(s.key)
+        report([s for s, st in zip(send, statuses) if st in (PutStatus.STORED, PutStatus.EXISTS)], Status.OK)
+        for status in set(statuses) - {PutStatus.STORED, PutStatus.EXISTS}:
+            group = [s for s, st in zip(send, statuses) if st is status]
+            report(group, Status.FAILED, "breaker_open" if status is PutStatus.DROPPED else status.value)
+
+    def _host_bytes(self, step: Step) -> torch.Tensor:
+        slab: HostSlab = self.stores[step.src]  # type: ignore[assignment]
+        return slab.slot(step.src_slot)
+
+    def _run_shared_reads(self, steps: list[Step], failed: set[bytes]) -> None:
+        """Fetch blocks straight into their host slots with one pipelined call. A block that is gone, corrupt
+        or foreign (the store removes those) is SOURCE_LOST: its GET is skipped and the prefix ends there."""
+        tier, dst = steps[0].src, steps[0].dst
+        store: RedisStore = self.stores[tier]  # type: ignore[assignment]
+        slab: HostSlab = self.stores[dst]  # type: ignore[assignment]
+        start = time.perf_counter()
+        try:
+            statuses = store.get_many([s.key for s in steps], [slab.slot(s.dst_slot) for s in steps])
+        except Exception:  # a bug, not an outage (the store turns those into misses): nothing is served
+            log.exception("kvtier shared-tier fetch failed")
+            statuses = [ReadStatus.MISSING] * len(steps)
+        each = (time.perf_counter() - start) / len(steps)
+        ok = [s for s, st in zip(steps, statuses) if st is ReadStatus.OK]
+        lost = [s for s, st in zip(steps, statuses) if st is not ReadStatus.OK]
+        bad = sum(1 for st in statuses if st.is_integrity_failure)
+        if bad:
+            self.metrics.count("integrity_failures", tier, bad)
+        if ok:
+            self.metrics.observe_move(tier, dst, store.payload_nbytes, each, count=len(ok))
+        failed.update(s.key for s in lost)
+        if ok:
+            self.report(ok, Status.OK)
+        if lost:
+            self.report(lost, Status.SOURCE_LOST)
 
     def _track(self, future: Future) -> None:
         with self._pending_lock:

@@ -1,15 +1,25 @@
 """From a config to the directory's tier specs: one place, so the in-process cache and the vLLM scheduler
-size their tiers the same way. Metadata only: no torch, no files."""
+size their tiers the same way. Metadata only: no torch, no files.
+
+Tiers are *local* (host, then each `fs` tier: "disk", "disk1", ...; the directory owns their contents) or
+*shared* (the one `redis` tier, named "redis": other engines change it, so its store keeps its contents and
+bytes, and the directory only plans writes to it and fetches from it; see `SharedSpec`).
+"""
 
 from __future__ import annotations
 
+import logging
+
 from kvtier.admission import AdmissionRule
-from kvtier.config import AdmissionConfig, KVTierConfig
-from kvtier.directory import TierSpec
+from kvtier.config import AdmissionConfig, FsTierConfig, KVTierConfig, RedisTierConfig
+from kvtier.directory import SharedSpec, TierSpec
+from kvtier.stores.blockformat import HEADER_NBYTES as SHARED_HEADER_NBYTES
 
 ALIGN = 4096  # page size and the O_DIRECT alignment: host slots and disk payloads start on it
 DISK_HEADER_NBYTES = ALIGN
 HOST = "host"
+SHARED = "redis"
+log = logging.getLogger(__name__)
 
 
 def round_up(n: int, align: int = ALIGN) -> int:
@@ -33,8 +43,34 @@ def host_slots(config: KVTierConfig, payload_nbytes: int, world_size: int = 1) -
     return slots
 
 
+def shared_footprint(payload_nbytes: int) -> int:
+    """Bytes one block counts against a shared tier's max_bytes: its (unpadded) header and its payload."""
+    return SHARED_HEADER_NBYTES + payload_nbytes
+
+
 def tier_names(config: KVTierConfig) -> list[str]:
-    return [HOST] + ["disk" if i == 0 else f"disk{i}" for i in range(len(config.secondary_tiers))]
+    """Every tier's name: host, then one per entry of `secondary_tiers`, in config order."""
+    names, fs = [HOST], 0
+    for tier in config.secondary_tiers:
+        if tier.type == "fs":
+            names.append("disk" if fs == 0 else f"disk{fs}")
+            fs += 1
+        else:
+            names.append(SHARED)
+    return names
+
+
+def local_tiers(config: KVTierConfig) -> list[tuple[str, FsTierConfig]]:
+    """The fs tiers with their names, fastest (first configured) first."""
+    return [(n, t) for n, t in zip(tier_names(config)[1:], config.secondary_tiers) if isinstance(t, FsTierConfig)]
+
+
+def shared_tier(config: KVTierConfig) -> tuple[str, RedisTierConfig] | None:
+    """The shared tier with its name, if one is configured."""
+    shared = [(n, t) for n, t in zip(tier_names(config)[1:], config.secondary_tiers) if isinstance(t, RedisTierConfig)]
+    if len(shared) > 1:
+        raise ValueError(f"at most one redis tier is supported, the config has {len(shared)}")
+    return shared[0] if shared else None
 
 
 def _rule(admission: AdmissionConfig) -> AdmissionRule:
@@ -42,10 +78,25 @@ def _rule(admission: AdmissionConfig) -> AdmissionRule:
 
 
 def tier_specs(config: KVTierConfig, payload_nbytes: int, world_size: int = 1) -> list[TierSpec]:
+    """The local tiers, as the directory sees them (a shared tier is `shared_spec`)."""
     slots = host_slots(config, payload_nbytes, world_size)
     specs = [TierSpec(HOST, slots * round_up(payload_nbytes), round_up(payload_nbytes), slotted=True,
                       policy=config.eviction_policy, admission=_rule(config.host_admission))]
-    for name, tier in zip(tier_names(config)[1:], config.secondary_tiers):
+    for name, tier in local_tiers(config):
         specs.append(TierSpec(name, tier.max_bytes, disk_footprint(payload_nbytes), policy=tier.eviction_policy,
                               admission=_rule(tier.admission), write_through=tier.write_policy == "write_through"))
     return specs
+
+
+def shared_spec(config: KVTierConfig, payload_nbytes: int) -> SharedSpec | None:
+    """The shared tier as the directory sees it, or None. Its `max_bytes` is the store's business."""
+    found = shared_tier(config)
+    if found is None:
+        return None
+    name, tier = found
+    if "write_policy" in tier.model_fields_set and tier.write_policy == "write_back":
+        log.warning("kvtier: the redis tier is always written through from host; write_policy=write_back is ignored")
+    if tier.max_bytes < shared_footprint(payload_nbytes):
+        need = shared_footprint(payload_nbytes)
+        raise ValueError(f"redis tier: max_bytes={tier.max_bytes} holds no block of {need} B")
+    return SharedSpec(name, shared_footprint(payload_nbytes), _rule(tier.admission))
