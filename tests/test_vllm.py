@@ -28,12 +28,15 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 def run(model: str, config: dict | str, *prompts: str, expect_rc: int = 0, figures: dict | None = None,
-        prometheus: dict | None = None, separate_engine: bool = False) -> list[dict] | str:
+        prometheus: dict | None = None, separate_engine: bool = False, redis=None) -> list[dict] | str:
     """The outputs of `prompts` in a fresh process; `figures` receives kvtier's worker figures, `prometheus`
-    the engine's kvtier series (both halves, aggregated by vLLM).
+    the engine's kvtier series (both halves, aggregated by vLLM). `redis`: the test's server, which the
+    prompts `!redis-kill` and `!redis-start` kill and start again.
     `separate_engine`: vLLM's default mode, the engine core in a process of its own."""
     cfg = config if isinstance(config, str) else json.dumps(config)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if separate_engine else "0"}
+    if redis is not None:
+        env["KVTIER_TEST_REDIS"] = f"{redis.binary}|{redis.port}|{redis.dir}|{redis.proc.pid}"
     proc = subprocess.run([sys.executable, "-m", "tests.vllm.scenario", model, cfg, *prompts], cwd=ROOT,
                           capture_output=True, text=True, timeout=600, env=env)
     if expect_rc:
@@ -112,6 +115,41 @@ def test_full_store_queue_drops_stores_counts_them_and_requests_complete(tiny_mo
     assert prometheus['kvtier_stores_dropped_total{reason="queue_full"}'] == 16
     assert prometheus['kvtier_moves_total{dst="host",src="caller"}'] == 16 + 16  # the other store, and C's
     assert [o["tokens"] for o in out] == [engine_only[0]["tokens"], engine_only[1]["tokens"], engine_only[2]["tokens"]]
+
+
+def redis_tier(server, **extra) -> dict:
+    return {"type": "redis", "url": server.url, "max_bytes": 1 << 30, **extra}
+
+
+def test_a_second_engine_gets_the_first_engines_prefix_from_redis(tiny_model, engine_only, redis_server):
+    config = {"cpu_bytes_to_use": 256 << 20, "secondary_tiers": [redis_tier(redis_server)]}
+    run(tiny_model, config, "A")  # engine 1 computes A and writes it through to Redis, then exits
+    prometheus: dict = {}
+    out = run(tiny_model, config, "A", prometheus=prometheus)  # engine 2: an empty host tier of its own
+    assert out[0]["cached"] == 1920  # every block but the last came from Redis
+    assert out[0]["tokens"] == engine_only[-1]["tokens"] and max_diff(out[0], engine_only[-1]) == 0.0
+    assert prometheus['kvtier_lookup_tokens_total{source="redis"}'] == 1920
+    assert prometheus['kvtier_moves_total{dst="host",src="redis"}'] == 15
+
+
+def test_redis_killed_and_restarted_mid_workload(tiny_model, engine_only, redis_server):
+    """No request fails, every output stays exact, the breaker opens while Redis is away and closes after."""
+    config = {"cpu_bytes_to_use": 4 << 20,  # 16 blocks: A must come back from Redis, not from host
+              "secondary_tiers": [redis_tier(redis_server, breaker_failures=1, breaker_cooldown_s=0.2,
+                                             socket_timeout_s=0.5)]}
+    prometheus: dict = {}
+    out = run(tiny_model, config, "A", "!redis-kill", *EVICT[1:], "!redis-start", *EVICT[1:], "B",
+              prometheus=prometheus, redis=redis_server)
+    reference = {"A": engine_only[0], "B": engine_only[1], "C": engine_only[2], "D": engine_only[3]}
+    for o in out:
+        assert o["tokens"] == reference[o["prompt"]]["tokens"], o["prompt"]
+    assert out[4]["prompt"] == "A" and out[4]["cached"] == 0  # Redis away: A recomputed, not a failed request
+    assert max_diff(out[4], engine_only[0]) == 0.0
+    assert out[-1]["prompt"] == "B" and out[-1]["cached"] == 1920  # Redis back (empty): B stored again, served
+    assert prometheus['kvtier_redis_breaker_opens_total{side="rank0",tier="redis"}'] >= 1
+    assert prometheus['kvtier_redis_breaker_opens_total{side="scheduler",tier="redis"}'] >= 1
+    assert prometheus['kvtier_redis_breaker_state{side="rank0",tier="redis"}'] == 0  # closed again
+    assert prometheus['kvtier_redis_breaker_state{side="scheduler",tier="redis"}'] == 0
 
 
 def test_bad_config_stops_the_engine_naming_the_field(tiny_model):

@@ -3,7 +3,8 @@
 Run as a subprocess by the tests: each engine gets a fresh process, as a served engine would.
     python -m tests.vllm.scenario MODEL_DIR CONFIG_JSON|off PROMPTS...
 PROMPTS name seeded 2048-token prompts: A, B, C, D; `A+B` submits A and B together. The engine's KV cache
-holds 48 blocks of 128 tokens, so three other prompts evict a fourth.
+holds 48 blocks of 128 tokens, so three other prompts evict a fourth. `!redis-kill` and `!redis-start` kill and
+restart (same port, empty) the test's redis-server, named by KVTIER_TEST_REDIS="binary|port|dir|pid".
 """
 
 from __future__ import annotations
@@ -11,14 +12,32 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import sys
 import time
+from pathlib import Path
 
 
 
 def prompt(name: str, n: int = 2048) -> list[int]:
     rng = random.Random(name)
     return [rng.randrange(3, 32000) for _ in range(n)]
+
+
+def redis_action(action: str, restarted):
+    """Kill the test's redis-server (SIGKILL, as a crash), or start it again on its port."""
+    from tests.redis_server import RedisServer
+
+    binary, port, directory, pid = os.environ["KVTIER_TEST_REDIS"].split("|")
+    if action == "!redis-kill":
+        if restarted is not None:
+            restarted.kill()
+        else:
+            os.kill(int(pid), signal.SIGKILL)
+        return restarted
+    if action == "!redis-start":
+        return RedisServer(binary, Path(directory), port=int(port)).start()
+    raise ValueError(f"unknown action {action}")
 
 
 def kvtier_series() -> dict[str, float]:
@@ -45,7 +64,11 @@ def main() -> None:
     llm = start_engine(model, kv)
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, detokenize=False)
     results = []
+    redis = None  # the server this process restarted, stopped when it ends
     for names_together in names:
+        if names_together.startswith("!redis-"):
+            redis = redis_action(names_together, redis)
+            continue
         together = names_together.split("+")
         start = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=prompt(n)) for n in together], params, use_tqdm=False)
@@ -66,6 +89,8 @@ def main() -> None:
 
         figures = get_kv_transfer_group()._worker.metrics.snapshot()
     print(json.dumps({"requests": results, "kvtier": figures, "prometheus": kvtier_series()}))
+    if redis is not None:
+        redis.stop()
 
 
 if __name__ == "__main__":

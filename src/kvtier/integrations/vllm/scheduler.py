@@ -4,6 +4,10 @@ Keys are vLLM's own `request.block_hashes` (the last engine hash of each kvtier 
 re-hashed. Loads are asynchronous: a hit is promised to vLLM only for blocks readable now, pinned until the
 workers report them. Stores happen when a request finishes: its blocks are held (`request_finished` returns
 True) until the workers have copied them out, so a store never reads a block vLLM has reused.
+
+A shared tier (Redis) is asked for the blocks after the local prefix on a thread of our own: until it
+answers, `get_num_new_matched_tokens` returns None and vLLM keeps the request waiting, so the scheduler never
+blocks on the network. Other engines may evict what it said it holds: such a fetch fails, and vLLM recomputes.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,9 +29,9 @@ from kvtier.integrations.vllm.messages import (
     StoreJob,
 )
 from kvtier.integrations.vllm.setup import Geometry
-from kvtier.integrations.vllm.stats import Deltas
+from kvtier.integrations.vllm.stats import Deltas, add_breaker
 from kvtier.keys import precomputed_keys
-from kvtier.tiers import tier_names, tier_specs
+from kvtier.tiers import local_tiers, shared_spec, shared_tier, tier_specs
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -49,7 +54,11 @@ class SchedulerSide:
     def __init__(self, config: KVTierConfig, geometry: Geometry) -> None:
         self.config = config
         self.geo = geometry
-        self.directory = Directory(tier_specs(config, geometry.block_nbytes, geometry.world_size))
+        self.directory = Directory(tier_specs(config, geometry.block_nbytes, geometry.world_size),
+                                   shared=shared_spec(config, geometry.block_nbytes))
+        self.shared_store = self._shared_store()
+        self._asking = ThreadPoolExecutor(2, thread_name_prefix="kvtier-lookup") if self.shared_store else None
+        self._asked: dict[str, tuple[int, Future]] = {}  # request id -> (first key asked, blocks the store holds)
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}  # plan id (its first step id) -> pending plan
         self._plan_of_step: dict[int, int] = {}
@@ -68,15 +77,35 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         keys = self._keys(request)
         first = num_computed_tokens // self.geo.block_tokens
-        sources = self.directory.lookup(keys[first:])
-        end = min((first + len(sources)) * self.geo.block_tokens, self._last_loadable(request))
+        local = first + len(self.directory.lookup(keys[first:]))
+        shared = self._shared_blocks(request.request_id, keys, local)
+        if shared is None:
+            return None, False  # the shared tier has not answered yet: vLLM asks again next step
+        end = min((local + shared) * self.geo.block_tokens, self._last_loadable(request))
         promised = end - num_computed_tokens
         if promised <= 0:
             self._lookups.pop(request.request_id, None)
             return 0, False
         blocks = -(-(end - first * self.geo.block_tokens) // self.geo.block_tokens)
-        self._lookups[request.request_id] = (first, blocks, end, num_computed_tokens)
+        self._lookups[request.request_id] = (first, blocks, end, num_computed_tokens, shared > 0)
         return promised, True
+
+    def _shared_blocks(self, request_id: str, keys: list[bytes], local: int) -> int | None:
+        """How many blocks after `keys[:local]` the shared tier holds; None while it is being asked."""
+        if self._asking is None or local >= len(keys):
+            return 0
+        asked = self._asked.get(request_id)
+        if asked is None or asked[0] != local:
+            self._asked[request_id] = (local, self._asking.submit(self.shared_store.lookup, keys[local:]))
+            return None
+        if not asked[1].done():
+            return None
+        del self._asked[request_id]
+        try:
+            return asked[1].result()
+        except Exception as exc:  # the store's breaker counts what failed; a lookup that fails is a miss
+            log.debug("kvtier: shared tier lookup failed: %s", exc)
+            return 0
 
     def _last_loadable(self, request: Request) -> int:
         """As vLLM's own prefix cache: the engine block holding the prompt's last token is always computed,
@@ -89,11 +118,11 @@ class SchedulerSide:
             return
         # vLLM has not updated request.num_computed_tokens yet (and after a failed load it is stale): the local
         # hit it told us in get_num_new_matched_tokens is the truth about which engine blocks it already holds.
-        first, promised, end, local = self._lookups.pop(request.request_id)
+        first, promised, end, local, fetch = self._lookups.pop(request.request_id)
         keys = self._keys(request)[first : first + promised]
         engine_ids = blocks.get_block_ids()[0]
         skip = local // self.geo.engine_block_size  # engine blocks vLLM already has
-        plan = self.directory.plan_load(keys)
+        plan = self.directory.plan_load(keys, shared_end=len(keys) if fetch else 0)
         self.directory.record_lookup(plan.sources, len(keys))
         for i, source in enumerate(plan.sources):  # tokens each tier really serves to this request
             lo = max((first + i) * self.geo.block_tokens, local)
@@ -107,6 +136,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Store the request's computed full blocks; hold its engine blocks until the workers copied them."""
+        self._asked.pop(request.request_id, None)
         computed = min(request.num_computed_tokens, len(request.block_hashes) * self.geo.engine_block_size)
         keys = self._keys(request)[: computed // self.geo.block_tokens]
         if not keys:
@@ -127,7 +157,7 @@ class SchedulerSide:
         """What changed in the directory since the last call, and the tiers' usage now."""
         d = self.directory
         tokens = {k: v * self.geo.block_tokens for k, v in d.stats.lookup_blocks.items()}
-        return {
+        payload = {
             "counters": {
                 "lookup_tokens": self._deltas.take("lookup_tokens", tokens),
                 "evictions": self._deltas.take("evictions", d.stats.evictions),
@@ -140,6 +170,9 @@ class SchedulerSide:
                 "orphan_blocks": d.orphans_by_tier(),
             },
         }
+        if self.shared_store is not None:
+            add_breaker(payload, self.shared_store, d.shared.name, "scheduler", self._deltas)
+        return payload
 
     def has_pending_work(self) -> bool:
         """Stores or deletes not yet shipped or not yet completed: the engine must keep stepping to drain them."""
@@ -209,11 +242,20 @@ class SchedulerSide:
             self._ship(Plan(chains=[garbage]), "delete")
             self._deletes.extend(garbage)
 
+    def _shared_store(self):  # -> RedisStore | None
+        """The scheduler's own client of the shared tier, for lookups (rank 0's namespace stands for all)."""
+        found = shared_tier(self.config)
+        if found is None:
+            return None
+        from kvtier.stores.redis import RedisStore
+
+        return RedisStore.from_config(found[1], self.geo.namespace(rank=0), self.geo.block_nbytes)
+
     def _recover(self) -> None:
         """A restart takes back what the disk tier of rank 0 holds (headers only: metadata, no payloads)."""
         from kvtier.stores.disk import DiskStore  # the scan reads file headers
 
-        for name, tier in zip(tier_names(self.config)[1:], self.config.secondary_tiers):
+        for name, tier in local_tiers(self.config):
             store = DiskStore(tier.root_dir, self.geo.namespace(rank=0), 0, self.geo.block_nbytes, o_direct=tier.o_direct)
             found, removed = store.scan()
             deletes = self.directory.adopt(name, [(b.key, b.parent) for b in found])

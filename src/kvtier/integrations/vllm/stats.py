@@ -9,6 +9,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from kvtier.metrics import BREAKER_GAUGE
+
 SEP = "|"  # joins label values in the serializable payload
 
 COUNTERS: dict[str, tuple[str, list[str]]] = {  # payload key -> (documentation, labels); the metric is kvtier_<key>
@@ -19,16 +21,28 @@ COUNTERS: dict[str, tuple[str, list[str]]] = {  # payload key -> (documentation,
     "admission_rejects": ("Blocks refused by a tier's admission rule", ["tier", "reason"]),
     "stores_dropped": ("Block stores dropped", ["reason"]),
     "integrity_failures": ("Corrupt, torn or foreign blocks detected (served as misses)", ["tier"]),
+    "redis_breaker_opens": ("Times a shared tier's circuit breaker opened", ["tier", "side"]),
 }
 GAUGES: dict[str, tuple[str, list[str]]] = {
     "tier_used_bytes": ("Bytes held by a tier", ["tier"]),
     "tier_capacity_bytes": ("Configured bytes of a tier", ["tier"]),
     "orphan_blocks": ("Blocks whose parent is in no tier (a bug if not 0)", ["tier"]),
+    "redis_breaker_state": ("Circuit breaker of a shared tier: 0 closed, 1 half-open, 2 open", ["tier", "side"]),
 }
 
 
 def label(key: Any) -> str:
     return SEP.join(map(str, key)) if isinstance(key, tuple) else str(key)
+
+
+def add_breaker(payload: dict, store: Any, tier: str, side: str, deltas: Deltas) -> dict:
+    """A shared tier's breaker in a stats payload: its state now and how often it opened. `side`: which client
+    (the scheduler's lookups, or a rank's transfers) - each has a breaker of its own."""
+    figures = store.stats()
+    key = (tier, side)
+    payload["counters"]["redis_breaker_opens"] = deltas.take("redis_breaker_opens", {key: figures["breaker_opens"]})
+    payload["gauges"]["redis_breaker_state"] = {label(key): BREAKER_GAUGE[figures["breaker_state"]]}
+    return payload
 
 
 class Deltas:

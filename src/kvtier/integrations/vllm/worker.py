@@ -19,15 +19,16 @@ from kvtier.config import KVTierConfig
 from kvtier.directory import Op, Plan, Status, Step
 from kvtier.integrations.vllm.messages import EngineBlocks, KVTierMetadata, KVTierWorkerMetadata, LoadJob, StoreJob
 from kvtier.integrations.vllm.setup import Geometry
-from kvtier.integrations.vllm.stats import Deltas
+from kvtier.integrations.vllm.stats import Deltas, add_breaker
 from kvtier.metrics import Metrics
 from kvtier.mover import Mover, Store
 from kvtier.stores.disk import DiskStore
 from kvtier.stores.host import HostSlab
-from kvtier.tiers import HOST, host_slots, tier_names
+from kvtier.tiers import HOST, host_slots, local_tiers, shared_tier
 
 if TYPE_CHECKING:
     from kvtier.mover import Block
+    from kvtier.stores.redis import RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class WorkerSide:
         self.rank = rank
         self.pages: list[torch.Tensor] = []
         self.mover: Mover | None = None
+        self.shared: tuple[str, RedisStore] | None = None  # the shared tier's name and this rank's client
         self.metrics = Metrics(None, geo.block_tokens)
         self._lock = threading.Lock()
         self._sent = threading.Condition(self._lock)  # a held request's blocks are all copied out
@@ -76,14 +78,23 @@ class WorkerSide:
                              " by the KV-cache config")
         payload = self.geo.block_nbytes
         stores: dict[str, Store] = {HOST: HostSlab(host_slots(self.config, payload, self.geo.world_size), payload)}
-        for name, tier in zip(tier_names(self.config)[1:], self.config.secondary_tiers):
+        fs = local_tiers(self.config)
+        for name, tier in fs:
             stores[name] = DiskStore(tier.root_dir, self.geo.namespace(self.rank), self.rank, payload,
                                      o_direct=tier.o_direct)
-        fs = self.config.secondary_tiers[0] if self.config.secondary_tiers else None
+        shared = shared_tier(self.config)
+        if shared is not None:
+            from kvtier.stores.redis import RedisStore
+
+            self.shared = (shared[0], RedisStore.from_config(shared[1], self.geo.namespace(self.rank), payload))
+            stores[shared[0]] = self.shared[1]
+            self.metrics.shared[shared[0]] = self.shared[1]
         self.mover = Mover(stores, self._report, self.metrics,
-                           n_read_threads=fs.n_read_threads if fs else 2,
-                           n_write_threads=fs.n_write_threads if fs else 2,
-                           queue_depth=self.config.queue_depth, cpus=self._cpus)
+                           n_read_threads=fs[0][1].n_read_threads if fs else 2,
+                           n_write_threads=fs[0][1].n_write_threads if fs else 2,
+                           queue_depth=self.config.queue_depth, cpus=self._cpus,
+                           n_shared_read_threads=shared[1].n_read_threads if shared else 1,
+                           n_shared_write_threads=shared[1].n_write_threads if shared else 1)
 
     # ---------------------------------------------------------------- per engine step
 
@@ -173,12 +184,15 @@ class WorkerSide:
         """What the data plane did since the last call."""
         moves = self.metrics.moves
         with moves.lock:
-            return {"counters": {
+            payload = {"counters": {
                 "moves": self._deltas.take("moves", moves.moves),
                 "move_bytes": self._deltas.take("move_bytes", moves.bytes),
                 "integrity_failures": self._deltas.take("integrity_failures", moves.integrity_failures),
                 "stores_dropped": self._deltas.take("stores_dropped", moves.stores_dropped),
             }, "gauges": {}}
+        if self.shared is not None:
+            add_breaker(payload, self.shared[1], self.shared[0], f"rank{self.rank}", self._deltas)
+        return payload
 
     def shutdown(self) -> None:
         if self.mover is not None:
