@@ -40,6 +40,7 @@ from kvtier.stores.redis import PutStatus, RedisStore
 
 Store = HostSlab | DiskStore | RedisStore
 SHARED_BATCH_BYTES = 32 << 20  # payload bytes in one pipelined call to a shared tier
+WRITE_NICENESS = 10  # background writers: the CPU scheduler prefers the engine's threads when both want a core
 Block = torch.Tensor | Sequence[torch.Tensor | int]  # see copy_into_slot
 Report = Callable[[Sequence[Step], Status], None]  # one status for all of these steps
 log = logging.getLogger(__name__)
@@ -64,17 +65,25 @@ class Mover:
         self.stores = stores
         self.report = report
         self.metrics = metrics
-        init = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        self._reads = ThreadPoolExecutor(n_read_threads, thread_name_prefix="kvtier-read", initializer=init)
-        self._writes = ThreadPoolExecutor(n_write_threads, thread_name_prefix="kvtier-write", initializer=init)
+        def init(niceness: int = 0) -> Callable[[], None]:
+            def start_thread() -> None:
+                if cpus:
+                    os.sched_setaffinity(0, cpus)
+                if niceness:  # background writes yield the CPU to the engine's compute threads
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+            return start_thread
+
+        self._reads = ThreadPoolExecutor(n_read_threads, thread_name_prefix="kvtier-read", initializer=init())
+        self._writes = ThreadPoolExecutor(n_write_threads, thread_name_prefix="kvtier-write",
+                                          initializer=init(WRITE_NICENESS))
         self._store_slots = threading.BoundedSemaphore(queue_depth)
         self._shared = {name for name, store in stores.items() if isinstance(store, RedisStore)}
         self._shared_reads = self._shared_writes = None
         if self._shared:
             self._shared_reads = ThreadPoolExecutor(n_shared_read_threads, thread_name_prefix="kvtier-shared-read",
-                                                    initializer=init)
+                                                    initializer=init())
             self._shared_writes = ThreadPoolExecutor(n_shared_write_threads, thread_name_prefix="kvtier-shared-write",
-                                                     initializer=init)
+                                                     initializer=init(WRITE_NICENESS))
         self._shared_slots = threading.BoundedSemaphore(queue_depth)  # shared write jobs waiting or running
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
@@ -92,11 +101,21 @@ class Mover:
         """Run a store plan in the background; the place `reserve_store` took is freed when its local part is
         done. Its shared-tier writes follow as one job (see the module's doc)."""
         plain, cut = self._cut(plan.chains, last_only=True)
-        batch, chains = self._split(Plan(chains=plain + [before for before, _, _ in cut if before]), Op.PUT)
+        local = plain + [before for before, _, _ in cut if before]
         failed: set[bytes] = set()  # keys whose PUT failed: their write-through steps are skipped
-        tasks = [partial(self._run_chain, chain, blocks, None, None, failed) for chain in chains]
-        if batch:
-            tasks.append(partial(self._run_batch, batch, blocks, None, None, failed))
+        if _on_cpu(blocks):
+            # Memory to memory: a copy costs the same CPU in any thread, and in the caller's it runs between the
+            # engine's steps instead of against its compute threads (which it would stall). What follows a PUT
+            # (write-through to disk) runs in the background; a chain that must first make room does too.
+            batch, chains = self._leading_puts(local)
+            if batch:
+                self._run_batch(batch, blocks, None, None, failed)
+            tasks = [partial(self._run_chain, chain, blocks, None, None, failed) for chain in chains]
+        else:
+            batch, chains = self._split(Plan(chains=local), Op.PUT)
+            tasks = [partial(self._run_chain, chain, blocks, None, None, failed) for chain in chains]
+            if batch:
+                tasks.append(partial(self._run_batch, batch, blocks, None, None, failed))
         shared = [step for _, step, _ in cut]
         shared_done: Future | None = None
         if shared:
@@ -193,6 +212,18 @@ class Mover:
             else:
                 chains.append(chain)
         return batch, chains
+
+    def _leading_puts(self, chains: list[list[Step]]) -> tuple[list[Step], list[list[Step]]]:
+        """The PUTs into a slab that start their chains, and what is left to run after them."""
+        batch: list[Step] = []
+        rest: list[list[Step]] = []
+        for chain in chains:
+            if chain[0].op is Op.PUT and self._slotted(chain[0]):
+                batch.append(chain[0])
+                chain = chain[1:]
+            if chain:
+                rest.append(chain)
+        return batch, rest
 
     def _slotted(self, step: Step) -> bool:
         tier = step.dst if step.op is Op.PUT else step.src
@@ -504,10 +535,20 @@ def _bytes_of(block: torch.Tensor) -> torch.Tensor:
     return flat if flat.device.type == "cpu" else flat.cpu()
 
 
-def _synchronize(blocks: Sequence[Block] | None) -> None:
-    """Non-blocking copies to or from an accelerator are complete only after a sync."""
+def _first_tensor(blocks: Sequence[Block] | None) -> torch.Tensor | None:
     first = blocks[0] if blocks else None
     if first is not None and not isinstance(first, torch.Tensor):
         first = next((p for p in first if isinstance(p, torch.Tensor)), None)
+    return first
+
+
+def _on_cpu(blocks: Sequence[Block] | None) -> bool:
+    first = _first_tensor(blocks)
+    return first is not None and first.device.type == "cpu"
+
+
+def _synchronize(blocks: Sequence[Block] | None) -> None:
+    """Non-blocking copies to or from an accelerator are complete only after a sync."""
+    first = _first_tensor(blocks)
     if first is not None and first.device.type == "cuda":
         torch.cuda.current_stream(first.device).synchronize()
