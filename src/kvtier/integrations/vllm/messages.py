@@ -19,6 +19,7 @@ class LoadJob:
     chains: list[list[Step]]
     targets: list[EngineBlocks]  # GET step index -> engine blocks to fill
     unavailable: list[int] = field(default_factory=list)  # engine blocks promised but not loadable: errors
+    sync: bool = False  # host hits: loaded before this step's forward, which computes the rest at once
 
 
 @dataclass

@@ -31,7 +31,7 @@ from kvtier.integrations.vllm.messages import (
 from kvtier.integrations.vllm.setup import Geometry
 from kvtier.integrations.vllm.stats import Deltas, add_breaker
 from kvtier.keys import precomputed_keys
-from kvtier.tiers import local_tiers, shared_spec, shared_tier, tier_specs
+from kvtier.tiers import HOST, local_tiers, shared_spec, shared_tier, tier_specs
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -77,7 +77,8 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         keys = self._keys(request)
         first = num_computed_tokens // self.geo.block_tokens
-        local = first + len(self.directory.lookup(keys[first:]))
+        sources = self.directory.lookup(keys[first:])
+        local = first + len(sources)
         shared = self._shared_blocks(request.request_id, keys, local)
         if shared is None:
             return None, False  # the shared tier has not answered yet: vLLM asks again next step
@@ -87,8 +88,11 @@ class SchedulerSide:
             self._lookups.pop(request.request_id, None)
             return 0, False
         blocks = -(-(end - first * self.geo.block_tokens) // self.geo.block_tokens)
-        self._lookups[request.request_id] = (first, blocks, end, num_computed_tokens, shared > 0)
-        return promised, True
+        # Host hits are a memory copy: loaded synchronously, before the forward of the step that computes the
+        # rest of the prompt, they save vLLM's asynchronous round trip. Slower tiers load asynchronously.
+        sync = shared == 0 and all(s == HOST for s in sources[:blocks])
+        self._lookups[request.request_id] = (first, blocks, end, num_computed_tokens, shared > 0, sync)
+        return promised, not sync
 
     def _shared_blocks(self, request_id: str, keys: list[bytes], local: int) -> int | None:
         """How many blocks after `keys[:local]` the shared tier holds; None while it is being asked."""
@@ -118,7 +122,7 @@ class SchedulerSide:
             return
         # vLLM has not updated request.num_computed_tokens yet (and after a failed load it is stale): the local
         # hit it told us in get_num_new_matched_tokens is the truth about which engine blocks it already holds.
-        first, promised, end, local, fetch = self._lookups.pop(request.request_id)
+        first, promised, end, local, fetch, sync = self._lookups.pop(request.request_id)
         keys = self._keys(request)[first : first + promised]
         engine_ids = blocks.get_block_ids()[0]
         skip = local // self.geo.engine_block_size  # engine blocks vLLM already has
@@ -132,7 +136,7 @@ class SchedulerSide:
         if unavailable:  # fewer blocks stageable than promised: vLLM recomputes those
             self.stats["load_shortfall_blocks"] += len(keys) - len(plan.keys)
         self._ship(plan, "load")
-        self._loads.append(LoadJob(request.request_id, plan.chains, targets[: len(plan.keys)], unavailable))
+        self._loads.append(LoadJob(request.request_id, plan.chains, targets[: len(plan.keys)], unavailable, sync))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Store the request's computed full blocks; hold its engine blocks until the workers copied them."""

@@ -128,7 +128,8 @@ class WorkerSide:
         failed = {b for t, ok in zip(job.targets, delivered) if not ok for b in t if b is not None}
         with self._lock:
             self._load_errors |= failed | set(job.unavailable)
-            self._recving.add(job.request_id)
+            if not job.sync:  # vLLM waits for an asynchronous load to be reported; a synchronous one it ran
+                self._recving.add(job.request_id)
 
     def _parts(self, engine_blocks: EngineBlocks) -> Block:
         parts: list[torch.Tensor | int] = []
