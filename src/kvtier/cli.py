@@ -15,10 +15,10 @@ EXIT_BAD_INPUT = 2
 
 DESCRIPTION = """\
 kvtier keeps the KV cache of LLM serving in tiers: the engine's memory (hot) -> host DRAM (warm) ->
-local disk (cold). Reusable prefixes come back from a tier instead of being recomputed.
+local disk and a shared Redis (cold). Reusable prefixes come back from a tier instead of being recomputed.
 
 commands:
-  demo     run a shared-prefix workload in-process through the tiers and print what each tier served
+  demo     the rollout on a real vLLM engine (CPU, tiny model): baseline -> + host -> + host and disk
   bench    measure the tiers against plain baselines on this machine (ratios, medians of several runs)
   config   validate a kvtier config file (the JSON you pass as kv_connector_extra_config)
 """ + decide.HELP

@@ -33,7 +33,7 @@ def json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line.rstrip("\r\n"))  # a truncated line: the column is on this line
             except json.JSONDecodeError as e:
                 raise TraceError(path, number, "<line>", f"not valid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(obj, dict):
