@@ -21,6 +21,7 @@ from kvtier.cache import TieredCache
 from kvtier.config import parse_config
 from kvtier.directory import CALLER, Directory, Op, SharedSpec, Status, Step, TierSpec
 from kvtier.keys import chain_keys
+from kvtier.sim.replay import complete_instantly
 from kvtier.stores import blockformat
 from kvtier.stores.breaker import BreakerState
 from tests.conftest import SHAPE, random_blocks, same_bytes
@@ -459,6 +460,32 @@ def test_shared_admission_stops_the_write_through_at_the_first_refusal() -> None
     plan = d.plan_store(chain((2, 2)), priority=10)
     assert not [s for c in plan.chains for s in c if s.dst == "redis"]
     assert d.stats.admission_rejects[("redis", "priority")] == 1
+
+
+def test_a_write_through_copy_abandoned_after_making_room_keeps_the_victims_file_counted() -> None:
+    """The bug the shared machine found (the shared tier only made it likelier): making room on disk for k's
+    write-through copy evicts a, whose only copy is there, and drops a's descendants, k with them. The copy is
+    abandoned, but a's DELETE stays in k's chain, after its PUT: a's file exists until that DELETE runs, so it
+    must stay counted, or another chain's write takes its room first and disk holds more files than it may."""
+    specs = [TierSpec("host", 2 * BLOCK, BLOCK, slotted=True), TierSpec("disk", 2 * BLOCK, BLOCK, write_through=True)]
+    d = Directory(specs, shared=SharedSpec("redis", BLOCK))
+    a, p, k = chain((1, 1, 1))
+    complete_instantly(d, d.plan_store([a]))
+    complete_instantly(d, d.plan_store([p], parent=a))  # host {a, p}, disk {a, p}
+    (late,) = d.plan_store([k], parent=p).chains  # a leaves host, then disk: a, p and k are dropped
+    assert [(s.op, s.key) for s in late] == [(Op.PUT, k), (Op.DELETE, a)]
+    garbage = d.take_garbage()  # p's file
+    files = {a, p}  # on disk until their DELETEs run
+    assert d.used_bytes("disk") == len(files) * BLOCK
+    for steps in d.plan_store(chain((2,))).chains:  # no room on disk: its write-through copy waits for none
+        for s in steps:
+            if s.dst == "disk":
+                files.add(s.key)
+            d.complete(s, Status.OK)
+        assert len(files) <= 2, "disk holds more files than it may"
+    for s in late + garbage:
+        d.complete(s, Status.OK)
+    assert d.used_bytes("disk") == len(d.keys_in("disk")) * BLOCK
 
 
 @pytest.mark.parametrize("dtype", [torch.float32])

@@ -487,13 +487,14 @@ class Directory:
         if reason is not None:
             self.stats.admission_rejects[(dst.name, reason)] += 1
             return False
+        since = len(chain)  # the steps `_allocate` adds: what `_unallocate` has to take back
         try:
             room = self._allocate(dst, chain, block.key)
         except NoRoom:
             self.stats.stores_dropped["no_space"] += 1
             return False
         if block.key not in self._blocks:  # making room in dst dropped an ancestor, and with it this block
-            self._unallocate(dst, room, chain)
+            self._unallocate(dst, room, chain, since)
             return False
         src_copy = block.copies.get(src.name)
         holds = src_copy is not None
@@ -634,10 +635,19 @@ class Directory:
             return None
         return tier.free_slots.pop()  # LIFO: the victim's slot, reused only after its demotion step in `chain`
 
-    def _unallocate(self, tier: Tier, slot: int | None, chain: list[Step]) -> None:
+    def _unallocate(self, tier: Tier, slot: int | None, chain: list[Step], since: int = 0) -> None:
         """Give back a slot that `_allocate` found but nothing will be written to. If a step of `chain` still
-        reads the evicted block's bytes there (its demotion), that block keeps the slot until the step is done."""
+        reads the evicted block's bytes there (its demotion), that block keeps the slot until the step is done.
+
+        An unslotted tier's room came from evictions whose DELETEs (in `chain[since:]`) were not counted: the
+        write they made room for was to follow them in the chain. Without that write, nothing keeps another
+        chain from using the room while the victims' files are still there (their DELETEs may run late): count
+        those files until their DELETEs run, like any other pending delete."""
         if slot is None:
+            for step in chain[since:]:
+                if step.op is Op.DELETE and step.src == tier.name and not step.accounted:
+                    step.accounted = True
+                    tier.used_blocks += 1
             return
         reader = next((s for s in chain if s.src == tier.name and s.src_slot == slot), None)
         block = None if reader is None else self._blocks.get(reader.key) or self._retiring.get(reader.key)
