@@ -9,7 +9,6 @@ and a seed fixes every result.
 from __future__ import annotations
 
 from functools import cache
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +19,9 @@ from kvtier.sim.fast_replay import fast_replay
 from kvtier.sim.mrc import lru_mrc
 from kvtier.traces.mooncake import read_mooncake
 from kvtier.traces.request import TraceRequest
+from kvtier.traces.locate import shared_traces_dir
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+SHARED = shared_traces_dir()
 TRACES = ("conversation", "synthetic")
 PER_ENGINE = 3_000_000 // 512  # Figure 10: 3M tokens per prefill node
 HUGE = 1 << 30

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from functools import cache
-from pathlib import Path
 
 import libcachesim  # a test dependency: a missing package must fail here, never skip
 import numpy as np
@@ -24,8 +23,9 @@ from kvtier.sim.fast_replay import fast_replay, replay_blocks
 from kvtier.sim.mrc import lru_mrc, stack_distances
 from kvtier.traces.mooncake import read_mooncake
 from kvtier.traces.request import TraceRequest
+from kvtier.traces.locate import shared_traces_dir
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+SHARED = shared_traces_dir()
 TRACES = ("conversation", "synthetic")
 
 

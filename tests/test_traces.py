@@ -18,9 +18,10 @@ from kvtier.traces.kvtier_jsonl import read_kvtier_jsonl
 from kvtier.traces.mooncake import read_mooncake
 from kvtier.traces.read import read_trace, trace_format
 from kvtier.traces.request import TraceError, TraceRequest
+from kvtier.traces.locate import shared_traces_dir
 
 DATA = Path(__file__).parent / "data" / "traces"
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+SHARED = shared_traces_dir()
 MOONCAKE = SHARED / "mooncake"
 AZURE = SHARED / "azure_llm_2023"
 

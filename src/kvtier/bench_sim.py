@@ -17,7 +17,6 @@ libCacheSim gets its trace already converted, we get ours already parsed.
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import tempfile
 import time
@@ -30,6 +29,7 @@ import numpy as np
 
 from kvtier.sim.fast_replay import fast_replay
 from kvtier.sim.mrc import lru_mrc
+from kvtier.traces.locate import shared_traces_dir
 from kvtier.traces.mooncake import read_mooncake
 from kvtier.traces.request import TraceRequest
 
@@ -41,9 +41,8 @@ POLICIES = ("lru", "arc", "s3fifo")
 
 
 def default_trace() -> Path:
-    """The shared traces folder next to the repository, or $KVTIER_TRACES_DIR."""
-    root = os.environ.get("KVTIER_TRACES_DIR") or Path(__file__).resolve().parents[2].parent / "shared" / "traces"
-    return Path(root) / TRACE_NAME
+    """The Mooncake conversation trace in the shared traces folder (see `traces.locate`)."""
+    return shared_traces_dir() / TRACE_NAME
 
 
 def run(quick: bool = False, trace: str | Path | None = None) -> dict[str, Any]:

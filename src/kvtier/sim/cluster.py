@@ -46,6 +46,7 @@ from pathlib import Path
 from kvtier.policies import EvictionPolicy, make_policy
 from kvtier.policies.base import DEFAULT_PRIORITY
 from kvtier.sim.cost import CostModel, cost_model
+from kvtier.traces.locate import shared_traces_dir
 from kvtier.traces.request import TraceRequest
 
 MODES = ("local", "global", "tiered")
@@ -232,7 +233,6 @@ class _Cluster:
 
 # ---------------------------------------------------------------- the tables of docs/scaling.md
 
-SHARED_TRACES = Path(__file__).resolve().parents[3].parent / "shared" / "traces"
 FIG10 = "fig10_local_vs_global_10_prefill_nodes_3M_tokens_each"
 ROUTING_HEADER = ["trace", "routing (N=10)", "hit local", "hit global", "global / local",
                   "prefill s local / global", "ratio", "TTFT s local / global", "local imbalance"]
@@ -347,9 +347,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--capacity-tokens", type=float, default=3e6, help="per engine (default 3M, as Figure 10)")
     ap.add_argument("--routing", choices=ROUTINGS, default="affinity", help="for the scaling table")
     args = ap.parse_args(argv)
-    paths = args.traces or [SHARED_TRACES / "mooncake" / f"{t}_trace.jsonl" for t in ("conversation", "synthetic")]
+    shared = shared_traces_dir()
+    paths = args.traces or [shared / "mooncake" / f"{t}_trace.jsonl" for t in ("conversation", "synthetic")]
     traces = {p.name.removesuffix(".jsonl").removesuffix("_trace"): list(read_trace(p)) for p in paths}
-    figures = SHARED_TRACES / "reference_figures.json"
+    figures = shared / "reference_figures.json"
     paper = json.loads(figures.read_text())["mooncake_fast25"][FIG10] if figures.is_file() else None
     print(_markdown(ROUTING_HEADER, routing_rows(traces, 10, args.capacity_tokens, ROUTINGS, paper=paper)))
     print()
