@@ -5,7 +5,6 @@ shared-tier planning under the random-traffic state machine of test_directory.""
 
 from __future__ import annotations
 
-import random
 import re
 import threading
 import time
@@ -337,21 +336,9 @@ class SharedDirectoryMachine(DirectoryMachine):
         self.loads.append(load)
         self._submit(plan, load)
 
-    @rule(seed=st.integers(0, 1 << 32))
-    def restart(self, seed: int) -> None:  # type: ignore[override]
+    def fresh_directory(self) -> Directory:
         """As the base machine's, with the shared tier (which a restart does not touch)."""
-        self.drain(seed)
-        self.d = Directory([t.spec for t in self.d.tiers], clock=lambda: 0.0, shared=self.shared)
-        for slots in self.bytes.slots.values():
-            slots[:] = [None] * len(slots)
-        rnd = random.Random(seed)
-        for name, files in self.bytes.files.items():
-            found = sorted(files)
-            rnd.shuffle(found)
-            for step in self.d.adopt(name, [(k, k[:-1] if len(k) > 2 else None) for k in found]):
-                self._execute(step, 0)
-                self.d.complete(step, Status.OK)
-        self.check_quiet()
+        return Directory([t.spec for t in self.d.tiers], clock=lambda: 0.0, shared=self.shared)
 
     def _execute(self, step: Step, roll: int) -> Status:
         if step.dst == "redis":

@@ -198,7 +198,7 @@ class DirectoryMachine(RuleBasedStateMachine):
     def restart(self, seed: int) -> None:
         """A restart: host memory is gone, each disk tier's files are adopted back (or deleted)."""
         self.drain(seed)
-        self.d = Directory([t.spec for t in self.d.tiers], clock=lambda: 0.0)
+        self.d = self.fresh_directory()
         for slots in self.bytes.slots.values():
             slots[:] = [None] * len(slots)
         rnd = random.Random(seed)
@@ -210,6 +210,10 @@ class DirectoryMachine(RuleBasedStateMachine):
                 self._execute(step, 0)
                 self.d.complete(step, Status.OK)
         self.check_quiet()
+
+    def fresh_directory(self) -> Directory:
+        """The directory a restarted process builds from the same config."""
+        return Directory([t.spec for t in self.d.tiers], clock=lambda: 0.0)
 
     def teardown(self) -> None:
         if hasattr(self, "d"):  # not when setup itself failed
