@@ -2,10 +2,12 @@
 
 - Steps of one chain run in order; chains run in parallel (reads on `n_read_threads`, writes on
   `n_write_threads`).
-- Plain caller<->host copies (a chain of one PUT or one GET) are batched into one `index_copy_` /
-  `index_select`, so a host hit costs about what a plain `copy_` of the same bytes costs.
-- Stores never block the caller: at most `queue_depth` store plans wait; beyond that `try_store` returns
-  False and the caller counts a dropped store. Loads are waited for: the request needs the bytes.
+- Plain caller<->host copies (a chain of one PUT or one GET) are batched: every part of every block in one
+  `torch._foreach_copy_`, so a host hit costs about what a plain `copy_` of the same bytes costs.
+- Stores never wait for I/O in the caller (CPU blocks are copied into host in its thread, a memory copy;
+  everything else runs in the background): at most `queue_depth` store plans wait; beyond that
+  `reserve_store` says no and the caller counts a dropped store. Loads are waited for: the request needs
+  the bytes.
 - A slot is never reused while a transfer touches it: the directory only hands out a slot after its
   previous content left (in the same chain, earlier) and marks copies READY only on completion.
 - A shared tier (Redis) is driven in batches, one pipelined call per batch, on its own pools: a step that
@@ -98,8 +100,9 @@ class Mover:
         self._store_slots.release()
 
     def store(self, plan: Plan, blocks: Sequence[Block]) -> None:
-        """Run a store plan in the background; the place `reserve_store` took is freed when its local part is
-        done. Its shared-tier writes follow as one job (see the module's doc)."""
+        """Run a store plan: PUTs of CPU blocks into host at once, in the caller's thread; the rest in the
+        background. The place `reserve_store` took is freed when its local part is done. Its shared-tier writes
+        follow as one job (see the module's doc)."""
         plain, cut = self._cut(plan.chains, last_only=True)
         local = plain + [before for before, _, _ in cut if before]
         failed: set[bytes] = set()  # keys whose PUT failed: their write-through steps are skipped

@@ -1,8 +1,9 @@
 """The connector's scheduler half: the directory. It decides; it never touches bytes.
 
 Keys are vLLM's own `request.block_hashes` (the last engine hash of each kvtier block, group 0), never
-re-hashed. Loads are asynchronous: a hit is promised to vLLM only for blocks readable now, pinned until the
-workers report them. Stores happen when a request finishes: its blocks are held (`request_finished` returns
+re-hashed. A hit is promised to vLLM only for blocks readable now, pinned until the workers report them. Host
+hits load synchronously, before the forward of the step that computes the rest of the prompt (a memory copy
+is cheaper than vLLM's asynchronous round trip); hits in slower tiers load asynchronously. Stores happen when a request finishes: its blocks are held (`request_finished` returns
 True) until the workers have copied them out, so a store never reads a block vLLM has reused.
 
 A shared tier (Redis) is asked for the blocks after the local prefix on a thread of our own: until it
@@ -17,7 +18,7 @@ import logging
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvtier.config import KVTierConfig
 from kvtier.directory import Directory, Op, Plan, Status, Step
@@ -50,6 +51,17 @@ class _Pending:
     reports: Counter = field(default_factory=Counter)  # step id -> ranks that reported it
 
 
+class _Lookup(NamedTuple):
+    """What `get_num_new_matched_tokens` promised a request, for `update_state_after_alloc` to plan."""
+
+    first: int  # the first kvtier block to load
+    blocks: int  # kvtier blocks promised
+    end: int  # the token the promise ends at
+    local: int  # tokens vLLM already held (its own prefix hit)
+    fetch: bool  # some blocks come from the shared tier
+    sync: bool  # all from host: loaded before this step's forward
+
+
 class SchedulerSide:
     def __init__(self, config: KVTierConfig, geometry: Geometry) -> None:
         self.config = config
@@ -62,7 +74,7 @@ class SchedulerSide:
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}  # plan id (its first step id) -> pending plan
         self._plan_of_step: dict[int, int] = {}
-        self._lookups: dict[str, tuple[int, int]] = {}  # request id -> (first kvtier block, blocks promised)
+        self._lookups: dict[str, _Lookup] = {}  # request id -> what was promised to it
         self._loads: list[LoadJob] = []
         self._stores: list[StoreJob] = []
         self._deletes: list[Step] = []
@@ -88,10 +100,8 @@ class SchedulerSide:
             self._lookups.pop(request.request_id, None)
             return 0, False
         blocks = -(-(end - first * self.geo.block_tokens) // self.geo.block_tokens)
-        # Host hits are a memory copy: loaded synchronously, before the forward of the step that computes the
-        # rest of the prompt, they save vLLM's asynchronous round trip. Slower tiers load asynchronously.
-        sync = shared == 0 and all(s == HOST for s in sources[:blocks])
-        self._lookups[request.request_id] = (first, blocks, end, num_computed_tokens, shared > 0, sync)
+        sync = shared == 0 and all(s == HOST for s in sources[:blocks])  # see the module's doc
+        self._lookups[request.request_id] = _Lookup(first, blocks, end, num_computed_tokens, shared > 0, sync)
         return promised, not sync
 
     def _shared_blocks(self, request_id: str, keys: list[bytes], local: int) -> int | None:
