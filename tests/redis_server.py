@@ -17,6 +17,17 @@ from pathlib import Path
 import redis
 
 
+STORED_BYTES = """local n = 0
+    for _, k in ipairs(redis.call('KEYS', 'kvtier:*')) do
+      if not string.find(k, '!', 1, true) then n = n + redis.call('STRLEN', k) end end
+    return n"""  # the tier's values (not its '!' metadata), summed in one atomic step
+
+
+def stored_bytes(client: redis.Redis) -> int:
+    """What the shared tier's values weigh in Redis right now, read atomically (a watcher's sample)."""
+    return int(client.eval(STORED_BYTES, 0))
+
+
 def redis_server_binary() -> str | None:
     return shutil.which("redis-server")
 

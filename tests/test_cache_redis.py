@@ -25,6 +25,7 @@ from kvtier.stores import blockformat
 from kvtier.stores.breaker import BreakerState
 from tests.conftest import SHAPE, random_blocks, same_bytes
 from tests.test_directory import BLOCK, ROLLS, DirectoryMachine, Load, chain, tier_specs
+from tests.redis_server import stored_bytes
 from tests.test_redis import check_invariants
 
 DTYPE = torch.bfloat16
@@ -231,10 +232,6 @@ def test_shared_tier_never_exceeds_max_bytes_with_two_engines_writing(redis_serv
     a, b = engines(redis_server.url, host_blocks=8, redis_blocks=redis_blocks)
     limit = redis_blocks * VALUE
     client = redis_server.client()
-    total = """local n = 0
-        for _, k in ipairs(redis.call('KEYS', 'kvtier:*')) do
-          if not string.find(k, '!', 1, true) then n = n + redis.call('STRLEN', k) end end
-        return n"""
     samples: list[int] = []
     done = threading.Event()
     errors: list[BaseException] = []
@@ -243,7 +240,7 @@ def test_shared_tier_never_exceeds_max_bytes_with_two_engines_writing(redis_serv
 
     def watch() -> None:
         while not done.is_set():
-            samples.append(client.eval(total, 0))
+            samples.append(stored_bytes(client))
             time.sleep(0.002)
 
     def engine(me: TieredCache, peer_salt: int, first: int) -> None:

@@ -17,7 +17,7 @@ from kvtier.stores.base import ReadStatus
 from kvtier.stores.breaker import BreakerState, CircuitBreaker
 from kvtier.stores.redis import PutStatus, RedisStore
 from tests.conftest import random_blocks, same_bytes
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, stored_bytes
 
 NS, OTHER_NS = "ab" * 16, "cd" * 16
 PAYLOAD = 16 << 10
@@ -141,16 +141,12 @@ def test_bound_holds_with_many_engines_over_capacity(redis_server):
     stores = [make_store(redis_server, ns, blocks=20) for ns in (NS, NS, OTHER_NS)]
     limit = stores[0].max_bytes
     client = redis_server.client()
-    total_sql = """local n = 0
-        for _, k in ipairs(redis.call('KEYS', 'kvtier:*')) do
-          if not string.find(k, '!', 1, true) then n = n + redis.call('STRLEN', k) end end
-        return n"""
     samples: list[int] = []
     done = threading.Event()
 
     def watch() -> None:
         while not done.is_set():
-            samples.append(client.eval(total_sql, 0))
+            samples.append(stored_bytes(client))
             time.sleep(0.002)
 
     def engine(store: RedisStore, seed: int) -> None:
