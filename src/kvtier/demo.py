@@ -25,6 +25,7 @@ from kvtier.cache import TieredCache
 from kvtier.config import KVTierConfig, parse_config
 from kvtier.keys import chain_keys
 from kvtier.layout import KVLayout
+from kvtier.report import readable_console
 from kvtier.traces.workloads import Request, shared_prefix_workload
 
 # A tiny Llama-shaped model: 4 layers, 2 KV heads of 64, bf16 -> 2 KiB per token, 128 KiB per 64-token block.
@@ -139,9 +140,7 @@ def default_configs(root: Path) -> list[tuple[str, KVTierConfig | None]]:
 
 def run_demo(n_requests: int = 160, seed: int = 0, config: KVTierConfig | None = None,
              console: Console | None = None) -> list[RunResult]:
-    console = console or Console()
-    if not console.is_terminal and console.width < 120:
-        console = Console(width=120)  # logs and CI: keep the table readable
+    console = readable_console(console)
     requests = shared_prefix_workload(n_requests, seed=seed)
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
         configs = default_configs(Path(tmp)) if config is None else [("engine only", None), ("your config", config)]

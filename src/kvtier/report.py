@@ -18,6 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+
+
+def readable_console(console: Console | None = None, width: int = 120) -> Console:
+    """`console`, or a new one; outside a terminal (logs, CI, a pipe) rich assumes 80 columns, which folds our
+    wide tables into unreadable cells, so there it is widened to `width`."""
+    console = console or Console()
+    return console if console.is_terminal or console.width >= width else Console(width=width)
 from rich.markup import escape
 from rich.table import Table as RichTable
 

@@ -93,12 +93,12 @@ def workload(n_requests: int, seed: int) -> list[list[int]]:
 
 def run_rollout(n_requests: int = 48, seed: int = 0, concurrency: int = 4, json_path: Path | None = None,
                 plot_path: Path | None = None, console: Any = None) -> dict:
-    from rich.console import Console
     from rich.progress import Progress
 
     from kvtier.integrations.vllm.tiny_model import build_tiny_llama
+    from kvtier.report import readable_console
 
-    console = console or Console()
+    console = readable_console(console)
     prompts = workload(n_requests, seed)
     report: dict = {"requests": n_requests, "concurrency": concurrency, "configurations": []}
     with tempfile.TemporaryDirectory(prefix="kvtier-rollout-") as tmp:
