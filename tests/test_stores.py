@@ -5,6 +5,8 @@ A fault must be caught (never served), must remove only the bad file, and must l
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -99,6 +101,23 @@ def test_slab_slots_are_aligned_and_views() -> None:
         out = torch.empty(5000, dtype=torch.uint8)
         slab.read([1], out)
         assert bool((out == 7).all())
+
+
+def resident_pages(address: int, nbytes: int) -> int:
+    """How many pages of [address, address + nbytes) are in memory now (mincore(2))."""
+    pages = -(-nbytes // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(v & 1 for v in vec)
+
+
+def test_slab_memory_is_committed_at_startup() -> None:
+    """A store must not pay the kernel's first-touch faults mid-traffic: every page is in before the first."""
+    with HostSlab(64, 65536, pin=False) as slab:
+        assert resident_pages(slab.slot(0).data_ptr(), slab.nbytes) == slab.nbytes // mmap.PAGESIZE
+        assert int(slab.slot(63).sum()) == 0  # committing wrote nothing a caller could see
 
 
 def test_slot_view_outlives_close() -> None:

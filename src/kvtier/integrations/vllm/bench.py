@@ -26,7 +26,7 @@ PROMPT = 4032  # tokens: a ~4k prefix and the last engine block, within the tiny
 FILLER = 2048
 REPS = 5
 UNIQUE = 96  # per round: the p99 of 96 is the second slowest, not just the slowest
-ROUNDS = 3  # of the no-reuse comparison: fresh engines differ by a few percent, so pair them and repeat
+ROUNDS = 5  # of the no-reuse comparison: fresh engines differ by several percent, so pair them and repeat
 BLOCK_NBYTES = 2 * 128 * 2048  # a 256-token block of the tiny model
 
 

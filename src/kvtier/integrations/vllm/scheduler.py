@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+ORPHAN_AUDIT_S = 1.0  # the orphan count walks every block: at most once a second, not on every engine step
 
 
 @dataclass
@@ -82,6 +84,8 @@ class SchedulerSide:
         self._dropped: Counter = Counter()  # reason -> blocks this half refused to store
         self.stats: Counter = Counter()
         self._deltas = Deltas()
+        self._orphans: dict[str, int] = {}
+        self._audited_at = float("-inf")
         self._recover()
 
     # ---------------------------------------------------------------- vLLM's scheduler hooks
@@ -181,12 +185,18 @@ class SchedulerSide:
             "gauges": {
                 "tier_used_bytes": {t.name: t.used_bytes for t in d.tiers},
                 "tier_capacity_bytes": {t.name: t.capacity_blocks * t.spec.block_bytes for t in d.tiers},
-                "orphan_blocks": d.orphans_by_tier(),
+                "orphan_blocks": self._audit_orphans(),
             },
         }
         if self.shared_store is not None:
             add_breaker(payload, self.shared_store, d.shared.name, "scheduler", self._deltas)
         return payload
+
+    def _audit_orphans(self) -> dict[str, int]:
+        now = time.monotonic()
+        if now - self._audited_at >= ORPHAN_AUDIT_S:
+            self._orphans, self._audited_at = self.directory.orphans_by_tier(), now
+        return self._orphans
 
     def has_pending_work(self) -> bool:
         """Stores or deletes not yet shipped or not yet completed: the engine must keep stepping to drain them."""
