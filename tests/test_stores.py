@@ -9,6 +9,8 @@ import ctypes
 import mmap
 import os
 import shutil
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -118,6 +120,25 @@ def test_slab_memory_is_committed_at_startup() -> None:
     with HostSlab(64, 65536, pin=False) as slab:
         assert resident_pages(slab.slot(0).data_ptr(), slab.nbytes) == slab.nbytes // mmap.PAGESIZE
         assert int(slab.slot(63).sum()) == 0  # committing wrote nothing a caller could see
+
+
+def test_slab_larger_than_the_memory_it_may_have_fails_at_once_naming_the_key() -> None:
+    """A host tier the machine cannot hold is refused when the slab is made, with the key to lower, not by the
+    kernel's OOM killer mid-traffic. The process gets 1 GiB of address space beyond what it has and asks for 4."""
+    code = """
+import resource
+import torch
+from kvtier.stores.host import HostSlab
+size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 30), resource.RLIM_INFINITY))
+try:
+    HostSlab(4 * 4096, 1 << 18, pin=False)
+except MemoryError as e:
+    print(e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "4.00 GiB" in out.stdout and "cpu_bytes_to_use" in out.stdout, out.stdout
 
 
 def test_slot_view_outlives_close() -> None:

@@ -10,6 +10,7 @@ evictable is the directory's business.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import warnings
 from collections.abc import Sequence
@@ -33,6 +34,11 @@ def _as_blocks(t: torch.Tensor, n: int, payload_nbytes: int, what: str) -> torch
             f"{what} holds {nbytes} bytes, expected {n} blocks x {payload_nbytes} bytes = {n * payload_nbytes}"
         )
     return t.reshape(-1).view(torch.uint8).view(n, payload_nbytes)
+
+
+def _no_memory(nbytes: int, error: OSError) -> MemoryError:
+    return MemoryError(f"host tier: this machine cannot give {nbytes / 2**30:.2f} GiB of memory to the host slab"
+                       f" ({error.strerror}); lower cpu_bytes_to_use")
 
 
 def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -62,7 +68,10 @@ class HostSlab:
         self.payload_nbytes = payload_nbytes
         self.slot_nbytes = round_up(payload_nbytes)
         # An anonymous mmap is page-aligned, so slot i starts at i * slot_nbytes from an aligned base.
-        self._mmap: mmap.mmap | None = mmap.mmap(-1, num_slots * self.slot_nbytes)
+        try:
+            self._mmap: mmap.mmap | None = mmap.mmap(-1, num_slots * self.slot_nbytes)
+        except OSError as e:
+            raise _no_memory(num_slots * self.slot_nbytes, e) from None
         if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages where the kernel allows: fewer TLB misses per copy
             self._mmap.madvise(mmap.MADV_HUGEPAGE)
         self._buf = torch.frombuffer(self._mmap, dtype=torch.uint8).view(num_slots, self.slot_nbytes)
@@ -80,8 +89,10 @@ class HostSlab:
         About 1 s per GiB on these machines."""
         try:
             self._mmap.madvise(MADV_POPULATE_WRITE)  # Linux >= 5.14: faults the pages in, writes nothing
-        except (OSError, ValueError):
-            self._buf.view(-1)[::PAGE].zero_()  # one byte per page: the slab is new, nothing to lose
+        except OSError as e:
+            if e.errno == errno.ENOMEM:
+                raise _no_memory(self.nbytes, e) from None
+            self._buf.view(-1)[::PAGE].zero_()  # an older kernel: one byte per page (the slab is new, nothing to lose)
 
     # -- pinning ----------------------------------------------------------------------------------------
 
