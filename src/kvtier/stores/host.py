@@ -86,7 +86,7 @@ class HostSlab:
         """Fault every page in now, as pinning does and as vLLM's own KV cache is: memory the tier was given is
         taken at startup (a host too small shows then, not mid-traffic), and no store pays the kernel's
         first-touch faults (on the CPU engine a store's copy took twice as long into pages never touched).
-        About 1 s per GiB on these machines."""
+        About 0.8 s per GiB on these machines."""
         try:
             self._mmap.madvise(MADV_POPULATE_WRITE)  # Linux >= 5.14: faults the pages in, writes nothing
         except OSError as e:
