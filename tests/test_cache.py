@@ -43,20 +43,6 @@ def test_disk_round_trip_through_demotion_is_bit_identical(tmp_path, dtype):
         assert cache.snapshot()["moves"].get("disk->host", 0) >= 1
 
 
-def test_mover_threads_never_start_an_openmp_team_of_their_own(tmp_path):
-    """A parallel region in a mover thread would start a second OpenMP team; with more OpenMP threads than cores
-    libgomp stops spin-waiting in every team, and an engine computing on the CPU slows down (+56% ITL measured).
-    Even where the engine has stubbed torch.set_num_threads, as vLLM's CPU worker does."""
-    real = torch.set_num_threads
-    torch.set_num_threads = lambda n: None  # what vLLM's CPU worker leaves behind after its thread binding
-    try:
-        with TieredCache(make_config(tmp_path, 4, 32), SHAPE, torch.bfloat16) as cache:
-            pools = (cache.mover._writes, cache.mover._reads)
-            assert {pool.submit(torch.get_num_threads).result() for pool in pools} == {1}
-    finally:
-        torch.set_num_threads = real
-
-
 def test_restart_recovers_every_valid_block(tmp_path):
     config = make_config(tmp_path, 16, 32, write_policy="write_through")
     keys, blocks = keys_for(10), random_blocks(10, seed=2)

@@ -69,10 +69,6 @@ class Mover:
         self.metrics = metrics
         def init(niceness: int = 0) -> Callable[[], None]:
             def start_thread() -> None:
-                # One OpenMP thread for torch in our threads: a parallel region here would start a second team,
-                # and with more OpenMP threads than cores libgomp stops spin-waiting in every team, the engine's
-                # too (measured on vLLM-CPU: +56% ITL). torch._C's, as vLLM's CPU worker stubs torch.set_num_threads.
-                torch._C.set_num_threads(1)
                 if cpus:
                     os.sched_setaffinity(0, cpus)
                 if niceness:  # background writes yield the CPU to the engine's compute threads
