@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
+from rich.table import Table as RichTable
 
 
 def readable_console(console: Console | None = None, width: int = 120) -> Console:
@@ -25,8 +27,6 @@ def readable_console(console: Console | None = None, width: int = 120) -> Consol
     wide tables into unreadable cells, so there it is widened to `width`."""
     console = console or Console()
     return console if console.is_terminal or console.width >= width else Console(width=width)
-from rich.markup import escape
-from rich.table import Table as RichTable
 
 
 @dataclass

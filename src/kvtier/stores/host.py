@@ -69,9 +69,9 @@ class HostSlab:
         self.slot_nbytes = round_up(payload_nbytes)
         # An anonymous mmap is page-aligned, so slot i starts at i * slot_nbytes from an aligned base.
         try:
-            self._mmap: mmap.mmap | None = mmap.mmap(-1, num_slots * self.slot_nbytes)
+            self._mmap: mmap.mmap | None = mmap.mmap(-1, self.nbytes)
         except OSError as e:
-            raise _no_memory(num_slots * self.slot_nbytes, e) from None
+            raise _no_memory(self.nbytes, e) from None
         if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages where the kernel allows: fewer TLB misses per copy
             self._mmap.madvise(mmap.MADV_HUGEPAGE)
         self._buf = torch.frombuffer(self._mmap, dtype=torch.uint8).view(num_slots, self.slot_nbytes)
