@@ -22,6 +22,7 @@ from kvtier.directory import CALLER, Directory, Op, SharedSpec, Status, Step, Ti
 from kvtier.keys import chain_keys
 from kvtier.sim.replay import complete_instantly
 from kvtier.stores import blockformat
+from kvtier.stores.base import TierKind
 from kvtier.stores.breaker import BreakerState
 from tests.conftest import SHAPE, random_blocks, same_bytes
 from tests.test_directory import BLOCK, ROLLS, DirectoryMachine, Load, chain, tier_specs
@@ -374,7 +375,7 @@ TestSharedDirectory = SharedDirectoryMachine.TestCase
 
 
 def test_fetch_that_fails_drops_the_block_and_its_fetched_descendants() -> None:
-    specs = [TierSpec("host", 8 * BLOCK, BLOCK, slotted=True)]
+    specs = [TierSpec("host", 8 * BLOCK, BLOCK, kind=TierKind.HOST)]
     d = Directory(specs, shared=SharedSpec("redis", BLOCK))
     keys = chain((0, 1, 2, 0))
     plan = d.plan_load(keys, shared_end=4)
@@ -394,7 +395,7 @@ def test_fetch_that_fails_drops_the_block_and_its_fetched_descendants() -> None:
 
 
 def test_store_writes_through_parents_first_and_holds_the_slots() -> None:
-    specs = [TierSpec("host", 8 * BLOCK, BLOCK, slotted=True)]
+    specs = [TierSpec("host", 8 * BLOCK, BLOCK, kind=TierKind.HOST)]
     d = Directory(specs, shared=SharedSpec("redis", BLOCK))
     keys = chain((1, 1, 1))
     first = d.plan_store(keys[:2])
@@ -417,7 +418,7 @@ def test_store_writes_through_parents_first_and_holds_the_slots() -> None:
 def test_a_failed_put_keeps_its_dropped_block_until_the_write_through_step_is_done() -> None:
     """The bug the machine found: a PUT fails, its block is dropped; the write-through step, skipped, completes
     later, after a new store of the same key. It must not touch the new block."""
-    specs = [TierSpec("host", 8 * BLOCK, BLOCK, slotted=True)]
+    specs = [TierSpec("host", 8 * BLOCK, BLOCK, kind=TierKind.HOST)]
     d = Directory(specs, shared=SharedSpec("redis", BLOCK))
     k = chain((1,))
     (put, through), = d.plan_store(k).chains
@@ -432,7 +433,7 @@ def test_a_failed_put_keeps_its_dropped_block_until_the_write_through_step_is_do
 
 
 def test_shared_admission_stops_the_write_through_at_the_first_refusal() -> None:
-    specs = [TierSpec("host", 8 * BLOCK, BLOCK, slotted=True)]
+    specs = [TierSpec("host", 8 * BLOCK, BLOCK, kind=TierKind.HOST)]
     d = Directory(specs, shared=SharedSpec("redis", BLOCK, AdmissionRule(min_priority=50)))
     plan = d.plan_store(chain((2, 2)), priority=10)
     assert not [s for c in plan.chains for s in c if s.dst == "redis"]
@@ -444,7 +445,7 @@ def test_a_write_through_copy_abandoned_after_making_room_keeps_the_victims_file
     write-through copy evicts a, whose only copy is there, and drops a's descendants, k with them. The copy is
     abandoned, but a's DELETE stays in k's chain, after its PUT: a's file exists until that DELETE runs, so it
     must stay counted, or another chain's write takes its room first and disk holds more files than it may."""
-    specs = [TierSpec("host", 2 * BLOCK, BLOCK, slotted=True), TierSpec("disk", 2 * BLOCK, BLOCK, write_through=True)]
+    specs = [TierSpec("host", 2 * BLOCK, BLOCK, kind=TierKind.HOST), TierSpec("disk", 2 * BLOCK, BLOCK, write_through=True)]
     d = Directory(specs, shared=SharedSpec("redis", BLOCK))
     a, p, k = chain((1, 1, 1))
     complete_instantly(d, d.plan_store([a]))

@@ -34,6 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvtier.admission import AdmissionRule
 from kvtier.directory import CALLER, Directory, Op, Plan, State, Status, Step, TierSpec
 from kvtier.sim.replay import complete_instantly
+from kvtier.stores.base import TierKind
 
 BLOCK = 4096
 POLICIES = ["lru", "arc", "s3fifo", "priority"]
@@ -54,7 +55,7 @@ def tier_specs(draw: st.DrawFn) -> list[TierSpec]:
     def admission() -> AdmissionRule:
         return AdmissionRule(min_sightings=draw(st.integers(1, 2)))
 
-    specs = [TierSpec("host", draw(st.integers(4, 12)) * BLOCK, BLOCK, slotted=True,
+    specs = [TierSpec("host", draw(st.integers(4, 12)) * BLOCK, BLOCK, kind=TierKind.HOST,
                       policy=draw(st.sampled_from(POLICIES)), admission=admission())]
     for name in ["disk", "disk1"][: draw(st.integers(1, 2))]:
         specs.append(TierSpec(name, draw(st.integers(6, 20)) * BLOCK, BLOCK, policy=draw(st.sampled_from(POLICIES)),
@@ -230,7 +231,7 @@ class DirectoryMachine(RuleBasedStateMachine):
 
     def _collect_garbage(self) -> None:
         for step in self.d.take_garbage():
-            assert step.op is Op.DELETE and step.accounted and step.src not in self.slotted
+            assert step.op is Op.DELETE and self.d.accounted(step) and step.src not in self.slotted
             self._submit(Plan(chains=[[step]]), None)
 
     def _complete_next(self, chain_id: int, roll: int) -> None:
@@ -316,7 +317,7 @@ class DirectoryMachine(RuleBasedStateMachine):
 
     @invariant()
     def accounting_is_exact(self) -> None:
-        pending_deletes = Counter(s.src for c in self.chains.values() for s in c.steps if s.op is Op.DELETE and s.accounted)
+        pending_deletes = Counter(s.src for c in self.chains.values() for s in c.steps if s.op is Op.DELETE and self.d.accounted(s))
         for name in self.bytes.files:
             copies = sum(1 for b in all_blocks(self.d) if name in b.copies)
             assert self.d.tier[name].used_blocks == copies + pending_deletes[name], name
@@ -407,7 +408,7 @@ def slots_read(plan: Plan, tier: str) -> set[int]:
 
 
 def test_dropped_block_keeps_its_slot_until_its_write_through_copy_read_it() -> None:
-    d = Directory([TierSpec("host", 4, 1, slotted=True), TierSpec("disk", 8, 1, write_through=True)])
+    d = Directory([TierSpec("host", 4, 1, kind=TierKind.HOST), TierSpec("disk", 8, 1, write_through=True)])
     (put_a, copy_a), (put_b, copy_b) = d.plan_store([b"a", b"b"]).chains
     d.complete(put_a, Status.FAILED)
     d.complete(copy_a, Status.FAILED)  # skipped by the mover: `a` is gone, and `b` with it
@@ -421,7 +422,7 @@ def test_dropped_block_keeps_its_slot_until_its_write_through_copy_read_it() -> 
 
 
 def test_two_loads_of_one_disk_block_stage_it_once() -> None:
-    d = Directory([TierSpec("host", 2, 1, slotted=True), TierSpec("disk", 8, 1)])
+    d = Directory([TierSpec("host", 2, 1, kind=TierKind.HOST), TierSpec("disk", 8, 1)])
     for k in (b"x", b"y", b"z"):
         done(d, d.plan_store([k]))
     assert d.lookup([b"x"]) == ["disk"]
@@ -436,7 +437,7 @@ def test_two_loads_of_one_disk_block_stage_it_once() -> None:
 
 def test_a_write_through_copy_follows_the_put_it_depends_on() -> None:
     """The mover skips a needs_prev step when an earlier write of the same key in its chain failed."""
-    d = Directory([TierSpec("host", 4, 1, slotted=True), TierSpec("disk", 2, 1, write_through=True),
+    d = Directory([TierSpec("host", 4, 1, kind=TierKind.HOST), TierSpec("disk", 2, 1, write_through=True),
                    TierSpec("disk1", 2, 1, write_through=True)])
     for k in (b"a", b"b", b"c"):
         plan = d.plan_store([k])
@@ -450,7 +451,7 @@ def test_a_write_through_copy_follows_the_put_it_depends_on() -> None:
 
 
 def test_a_late_delete_never_undoes_a_newer_write_of_the_same_key() -> None:
-    d = Directory([TierSpec("host", 2, 1, slotted=True),
+    d = Directory([TierSpec("host", 2, 1, kind=TierKind.HOST),
                    TierSpec("disk", 4, 1, admission=AdmissionRule(min_priority=30))])
     done(d, d.plan_store([b"p"], priority=10))  # p may not go to disk
     done(d, d.plan_store([b"k"], parent=b"p", priority=80))
@@ -474,7 +475,7 @@ def test_a_late_delete_never_undoes_a_newer_write_of_the_same_key() -> None:
 
 
 def test_source_lost_while_demoting_between_disk_tiers() -> None:
-    d = Directory([TierSpec("host", 1, 1, slotted=True), TierSpec("disk", 1, 1), TierSpec("disk1", 4, 1)])
+    d = Directory([TierSpec("host", 1, 1, kind=TierKind.HOST), TierSpec("disk", 1, 1), TierSpec("disk1", 4, 1)])
     done(d, d.plan_store([b"a"]))
     done(d, d.plan_store([b"b"]))  # a -> disk
     (steps,) = d.plan_store([b"c"]).chains  # b -> disk pushes a -> disk1
@@ -487,7 +488,7 @@ def test_source_lost_while_demoting_between_disk_tiers() -> None:
 
 
 def test_making_room_never_frees_a_slot_that_a_demotion_still_reads() -> None:
-    d = Directory([TierSpec("host", 2, 1, slotted=True), TierSpec("disk", 1, 1)])
+    d = Directory([TierSpec("host", 2, 1, kind=TierKind.HOST), TierSpec("disk", 1, 1)])
     done(d, d.plan_store([b"k1"]))
     done(d, d.plan_store([b"k2"], parent=b"k1"))
     done(d, d.plan_store([b"v"]))  # k1 -> disk: host {k2, v}, disk {k1}
@@ -501,7 +502,7 @@ def test_making_room_never_frees_a_slot_that_a_demotion_still_reads() -> None:
 
 
 def test_store_on_second_sighting_stores_the_whole_chain_the_second_time() -> None:
-    d = Directory([TierSpec("host", 8, 1, slotted=True, admission=AdmissionRule(min_sightings=2))])
+    d = Directory([TierSpec("host", 8, 1, kind=TierKind.HOST, admission=AdmissionRule(min_sightings=2))])
     keys = [bytes([i]) * 32 for i in range(4)]
     assert done(d, d.plan_store(keys)).chains == []  # first sighting: nothing stored
     second = done(d, d.plan_store(keys))

@@ -18,6 +18,7 @@ from kvtier.directory import Directory, State, TierSpec
 from kvtier.policies import ARCPolicy, LRUPolicy, PriorityPolicy, S3FIFOPolicy
 from kvtier.policies.base import EvictionPolicy
 from kvtier.sim.replay import complete_instantly, replay
+from kvtier.stores.base import TierKind
 
 # ---------------------------------------------------------------- oracle: libCacheSim on the same requests
 
@@ -56,7 +57,7 @@ def oracle_hits(name: str, capacity: int) -> int:
 
 
 def directory_hits(name: str, capacity: int) -> int:
-    d = Directory([TierSpec("host", capacity, 1, slotted=True, policy=name)])
+    d = Directory([TierSpec("host", capacity, 1, kind=TierKind.HOST, policy=name)])
     trace = zipf_and_scans()
     result = replay(d, ([obj.to_bytes(8, "little")] for obj in trace))
     assert result.blocks == len(trace) and set(result.hits) <= {"host"}
@@ -174,7 +175,7 @@ def settle(d: Directory, plan) -> None:
 
 
 def test_pressure_evicts_a_chain_from_its_leaf() -> None:
-    d = Directory([TierSpec("host", 4, 1, slotted=True), TierSpec("disk", 8, 1)])
+    d = Directory([TierSpec("host", 4, 1, kind=TierKind.HOST), TierSpec("disk", 8, 1)])
     chain = [b"a", b"b", b"c", b"d"]
     settle(d, d.plan_store(chain))
     left: list[bytes] = []
@@ -187,7 +188,7 @@ def test_pressure_evicts_a_chain_from_its_leaf() -> None:
 
 
 def test_the_last_tier_evicts_leaves_even_when_a_root_is_oldest() -> None:
-    d = Directory([TierSpec("host", 1, 1, slotted=True), TierSpec("disk", 3, 1)])
+    d = Directory([TierSpec("host", 1, 1, kind=TierKind.HOST), TierSpec("disk", 3, 1)])
     chain = [b"r", b"c1", b"c2"]
     assert d.adopt("disk", [(b"r", None), (b"c1", b"r"), (b"c2", b"c1")]) == []  # the root is the oldest
     settle(d, d.plan_store([b"u1"]))
@@ -199,7 +200,7 @@ def test_the_last_tier_evicts_leaves_even_when_a_root_is_oldest() -> None:
 
 
 def test_dropping_a_root_from_the_last_tier_drops_its_descendants_in_every_tier() -> None:
-    d = Directory([TierSpec("host", 2, 1, slotted=True), TierSpec("disk", 2, 1)])
+    d = Directory([TierSpec("host", 2, 1, kind=TierKind.HOST), TierSpec("disk", 2, 1)])
     r, c1, c2 = b"r", b"c1", b"c2"
     settle(d, d.plan_store([r]))
     settle(d, d.plan_store([c1], parent=r))
@@ -219,7 +220,7 @@ def test_dropping_a_root_from_the_last_tier_drops_its_descendants_in_every_tier(
 
 
 def test_admission_on_sightings_stores_on_the_second_request() -> None:
-    d = Directory([TierSpec("host", 4, 1, slotted=True, admission=AdmissionRule(min_sightings=2))])
+    d = Directory([TierSpec("host", 4, 1, kind=TierKind.HOST, admission=AdmissionRule(min_sightings=2))])
     settle(d, d.plan_store([b"a"]))
     assert b"a" not in d
     settle(d, d.plan_store([b"a"]))

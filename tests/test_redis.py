@@ -16,6 +16,7 @@ from kvtier.stores import blockformat
 from kvtier.stores.base import ReadStatus
 from kvtier.stores.breaker import BreakerState, CircuitBreaker
 from kvtier.stores.redis import PutStatus, RedisStore
+from kvtier.wiring import redis_store
 from tests.conftest import random_blocks, same_bytes
 from tests.redis_server import RedisServer, stored_bytes
 
@@ -307,7 +308,7 @@ def test_redis_tier_config(redis_server):
     tier = {"type": "redis", "url": redis_server.url, "max_bytes": 1 << 20, "key_prefix": "kvt:",
             "breaker_failures": 5}  # fmt: skip
     config = parse_config({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [tier]})
-    store = RedisStore.from_config(config.secondary_tiers[0], NS, PAYLOAD)
+    store = redis_store(config.secondary_tiers[0], NS, PAYLOAD)
     assert store.breaker.failure_threshold == 5
     store.write(chain(1)[0], None, payloads(1)[0])  # as DiskStore.write: returns once stored...
     with pytest.raises(OSError, match="orphan"):  # ...and raises OSError when not, so the mover sees FAILED

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from kvtier.keys import Namespace, chain_keys
+from kvtier.layout import ALIGN
 from kvtier.stores.base import ReadStatus
 from kvtier.stores.disk import DiskStore, file_name
-from kvtier.stores.host import ALIGN, HostSlab
+from kvtier.stores.host import HostSlab
 
 SHAPE = (2, 4, 16, 64)  # (k/v, heads, tokens, head dim): one block of one layer
 NS = Namespace(model="tiny", dtype="bfloat16", block_size=16).digest()

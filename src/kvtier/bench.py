@@ -46,6 +46,7 @@ from kvtier.keys import Namespace, chain_keys
 from kvtier.metrics import Metrics
 from kvtier.mover import Mover
 from kvtier.sim.replay import complete_instantly
+from kvtier.stores.base import Stores, TierKind
 from kvtier.stores.disk import DiskStore
 from kvtier.stores.host import ALIGN, HostSlab, round_up
 
@@ -269,8 +270,8 @@ def _disk_case(workdir: Path, block_bytes: int, total: int, reps: int, tick: Cal
         with lock:
             statuses[status] += len(steps)
 
-    directory = Directory([TierSpec("host", slab.nbytes, slab.slot_nbytes, slotted=True)])
-    mover = Mover({"host": slab, "disk": disk}, report, Metrics(directory, 16, lambda _: True),
+    directory = Directory([TierSpec("host", slab.nbytes, slab.slot_nbytes, kind=TierKind.HOST)])
+    mover = Mover(Stores("host", slab, {"disk": disk}), report, Metrics(directory, 16),
                   n_read_threads=fs.n_read_threads, n_write_threads=fs.n_write_threads, queue_depth=config.queue_depth)
     raw_buf = mmap.mmap(-1, nbytes)  # page-aligned, as O_DIRECT wants
     torch.frombuffer(raw_buf, dtype=torch.uint8).copy_(data.view(-1))
@@ -391,7 +392,7 @@ def _lookup_case(
     """A directory of `n_blocks` that holds the prompt's chains at both block sizes; time lookups of them."""
     tokens = list(range(prompt_tokens))
     prompts = {16: chain_keys(tokens, 16), 256: chain_keys(tokens, 256)}
-    directory = Directory([TierSpec("host", n_blocks * ALIGN, ALIGN, slotted=True)])
+    directory = Directory([TierSpec("host", n_blocks * ALIGN, ALIGN, kind=TierKind.HOST)])
     was_enabled = gc.isenabled()
     gc.disable()  # as timeit does; a build of a million objects otherwise spends most of its time in gc
     try:

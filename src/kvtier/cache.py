@@ -28,12 +28,9 @@ from kvtier.config import KVTierConfig
 from kvtier.directory import Directory, Op, Status, Step
 from kvtier.keys import Namespace
 from kvtier.metrics import Metrics
-from kvtier.mover import Mover, Store
 from kvtier.policies.base import DEFAULT_PRIORITY
-from kvtier.stores.disk import DiskStore
-from kvtier.stores.host import HostSlab
-from kvtier.stores.redis import RedisStore
-from kvtier.tiers import HOST, local_tiers, shared_spec, shared_tier, tier_specs
+from kvtier.sizing import shared_spec, shared_tier, tier_specs
+from kvtier.wiring import build_mover, build_stores, recover
 
 
 class TieredCache:
@@ -58,31 +55,13 @@ class TieredCache:
         )
         specs = tier_specs(config, self.payload_nbytes, world_size)
         shared = shared_tier(config)
-        self.stores: dict[str, Store] = {HOST: HostSlab(specs[0].capacity_blocks, self.payload_nbytes)}
-        for name, tier in local_tiers(config):
-            self.stores[name] = DiskStore(tier.root_dir, self.namespace.digest(), rank, self.payload_nbytes,
-                                          o_direct=tier.o_direct)
-        self.shared: str | None = None  # the shared tier's name
-        if shared is not None:
-            self.shared, redis_tier = shared
-            self.stores[self.shared] = RedisStore.from_config(redis_tier, self.namespace.digest(), self.payload_nbytes)
+        self.shared: str | None = shared[0] if shared else None  # the shared tier's name
+        self.stores = build_stores(config, self.payload_nbytes, self.namespace.digest(), rank, world_size)
         self._lock = threading.RLock()
         self.directory = Directory(specs, clock=clock, shared=shared_spec(config, self.payload_nbytes))
-        self.metrics = Metrics(
-            self.directory, config.block_size, tier_enabled=lambda name: True, lock=self._lock,
-            shared={self.shared: self.stores[self.shared]} if self.shared else None,  # type: ignore[dict-item]
-        )
-        local = local_tiers(config)
-        threads = local[0][1] if local else None
-        self.mover = Mover(
-            self.stores, self._report, self.metrics,
-            n_read_threads=threads.n_read_threads if threads else 2,
-            n_write_threads=threads.n_write_threads if threads else 2,
-            queue_depth=config.queue_depth,
-            n_shared_read_threads=shared[1].n_read_threads if shared else 1,
-            n_shared_write_threads=shared[1].n_write_threads if shared else 1,
-        )
-        self._recover()
+        self.metrics = Metrics(self.directory, config.block_size, lock=self._lock, shared=self.stores.shared)
+        self.mover = build_mover(config, self.stores, self._report, self.metrics)
+        recover(self.directory, self.stores.local, self._lock, self._integrity_failures)
 
     # ---------------------------------------------------------------- the API
 
@@ -169,8 +148,7 @@ class TieredCache:
 
     def close(self) -> None:
         self.mover.close()
-        for store in self.stores.values():
-            store.close()
+        self.stores.close()
 
     def __enter__(self) -> TieredCache:
         return self
@@ -197,18 +175,5 @@ class TieredCache:
             garbage = self.directory.take_garbage()
         self.mover.delete(garbage)
 
-    def _recover(self) -> None:
-        """A restart takes back every valid block a persistent tier still holds; the rest was removed by the scan."""
-        for name, store in self.stores.items():
-            if not isinstance(store, DiskStore):
-                continue
-            found, removed = store.scan()
-            for reason in ("corrupt", "foreign", "symlink"):
-                if removed.get(reason):
-                    self.metrics.count("integrity_failures", name, removed[reason])
-            with self._lock:
-                deletes = self.directory.adopt(name, [(b.key, b.parent) for b in found])
-            for step in deletes:
-                store.delete(step.key)
-                with self._lock:
-                    self.directory.complete(step, Status.OK)
+    def _integrity_failures(self, tier: str, n: int) -> None:
+        self.metrics.count("integrity_failures", tier, n)

@@ -1,9 +1,11 @@
-"""What a block is and how big it is.
+"""What a block is and how big it is, in memory and in each tier.
 
 A `KVLayout` describes the KV cache of one model as one worker holds it: layers, KV heads, head size and
 element type. Tier capacities are set in bytes but decisions are made in blocks, so every tier needs
 `bytes_per_block`; and the layout is part of the namespace, because bytes written for one layout are
-garbage for another. Metadata plane: no torch, no vLLM (dtypes are handled by name).
+garbage for another. What a block costs a tier beyond its payload (alignment, the disk header) is here too,
+so that the stores and the directory's sizing count the same bytes. Imports nothing of kvtier: no torch, no
+vLLM (dtypes are handled by name).
 """
 
 from __future__ import annotations
@@ -38,6 +40,20 @@ def canonical_dtype(dtype: str) -> str:
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of a dtype given by name."""
     return _BYTES[canonical_dtype(dtype)]
+
+
+ALIGN = 4096  # page size and the O_DIRECT alignment: host slots and disk payloads start on it
+DISK_HEADER_NBYTES = ALIGN  # a disk block's self-checking header, zero-padded to the alignment
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    """Smallest multiple of `align` that is >= n."""
+    return -(-n // align) * align
+
+
+def disk_footprint(payload_nbytes: int) -> int:
+    """Bytes one block occupies on disk: its header and its payload padded to the alignment."""
+    return DISK_HEADER_NBYTES + round_up(payload_nbytes)
 
 
 def _check_positive(name: str, value: Any) -> None:

@@ -1,4 +1,5 @@
-"""What we measure, under the Prometheus names DESIGN.md fixes (one family per fact).
+"""What we measure, under the Prometheus names DESIGN.md fixes: one table of families (`FAMILIES`), exported
+in-process by `Metrics` and in vLLM through its stats path (`kvtier.integrations.vllm.stats`).
 
 The directory and the mover keep plain counters (cheap on the hot path); a collector turns them into
 Prometheus families at scrape time. Only move latencies are observed live, into a histogram.
@@ -25,6 +26,37 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 if TYPE_CHECKING:
     from kvtier.directory import Directory
 
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # the metric is kvtier_<name> (counters get Prometheus' _total)
+    kind: str  # "counter", "gauge" or "histogram"
+    doc: str
+    labels: tuple[str, ...]
+    per_client: bool = False  # one series per client of a shared store: in vLLM, labelled (tier, side)
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("lookup_tokens", "counter", "Prompt tokens looked up, by the tier that served them (or miss)", ("source",)),
+    Family("moves", "counter", "Blocks moved", ("src", "dst")),
+    Family("move_bytes", "counter", "Bytes moved", ("src", "dst")),
+    Family("move_seconds", "histogram", "Duration of one block move", ("src", "dst")),
+    Family("evictions", "counter", "Blocks evicted", ("tier", "reason")),
+    Family("admission_rejects", "counter", "Blocks refused by a tier's admission rule", ("tier", "reason")),
+    Family("stores_dropped", "counter", "Block stores dropped", ("reason",)),
+    Family("integrity_failures", "counter", "Corrupt, torn or foreign blocks detected (served as misses)", ("tier",)),
+    Family("tier_used_bytes", "gauge", "Bytes held by a tier", ("tier",)),
+    Family("tier_capacity_bytes", "gauge", "Configured bytes of a tier", ("tier",)),
+    Family("tier_enabled", "gauge", "1 while a tier serves, 0 once the guard turned it off", ("tier",)),
+    Family("orphan_blocks", "gauge", "Blocks whose parent is in no tier (a bug if not 0)", ("tier",)),
+    Family("redis_breaker_state", "gauge", "Circuit breaker of a shared tier: 0 closed, 1 half-open, 2 open", (),
+           per_client=True),
+    Family("redis_breaker_opens", "counter", "Times a shared tier's circuit breaker opened", (), per_client=True),
+)}
+BREAKER_GAUGE = {"closed": 0, "half_open": 1, "open": 2}
+MOVE_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+
+
 class SharedStore(Protocol):
     """What metrics read from a shared tier's store (RedisStore): local counters, and its byte count."""
 
@@ -33,10 +65,6 @@ class SharedStore(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
     def used_bytes(self) -> int | None: ...
-
-
-BREAKER_GAUGE = {"closed": 0, "half_open": 1, "open": 2}
-MOVE_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 
 
 @dataclass
@@ -68,10 +96,9 @@ class Metrics:
         self.lock = lock if lock is not None else nullcontext()
         self.moves = MoveStats()
         self.registry = CollectorRegistry()
-        self.move_seconds = Histogram(
-            "kvtier_move_seconds", "Duration of one block move", ["src", "dst"],
-            buckets=MOVE_BUCKETS, registry=self.registry,
-        )
+        seconds = FAMILIES["move_seconds"]
+        self.move_seconds = Histogram(f"kvtier_{seconds.name}", seconds.doc, list(seconds.labels),
+                                      buckets=MOVE_BUCKETS, registry=self.registry)
         self.registry.register(_Collector(self))
 
     def observe_move(self, src: str, dst: str, nbytes: int, seconds: float, count: int = 1) -> None:
@@ -113,19 +140,13 @@ class Metrics:
             return data_plane
         dropped.update(d.stats.stores_dropped)
         return {
+            **data_plane,
             "lookup_tokens": {k: v * self.block_tokens for k, v in d.stats.lookup_blocks.items()},
-            "moves": moves,
-            "move_bytes": move_bytes,
-            "move_seconds": move_seconds,
-            "tiers": {
-                t.name: {"used_bytes": t.used_bytes, "capacity_bytes": t.capacity_blocks * t.spec.block_bytes,
-                         "enabled": self.tier_enabled(t.name)}
-                for t in d.tiers
-            },
+            "tiers": {name: {"used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
+                             "enabled": self.tier_enabled(name)} for name, u in d.usage().items()},
             "evictions": {f"{t}/{r}": n for (t, r), n in d.stats.evictions.items()},
             "admission_rejects": {f"{t}/{r}": n for (t, r), n in d.stats.admission_rejects.items()},
             "stores_dropped": dict(dropped),
-            "integrity_failures": integrity,
             "orphan_blocks": d.orphans(),
             "orphan_blocks_by_tier": d.orphans_by_tier(),
         }
@@ -150,14 +171,16 @@ class _Collector:
         m, d = self.metrics, self.metrics.directory
         snap = m.snapshot()
 
-        def counter(name: str, doc: str, labels: list[str], items: dict) -> CounterMetricFamily:
-            fam = CounterMetricFamily(name, doc, labels=labels)
+        def counter(name: str, items: dict) -> CounterMetricFamily:
+            f = FAMILIES[name]
+            fam = CounterMetricFamily(f"kvtier_{name}", f.doc, labels=list(f.labels))
             for key, value in items.items():
                 fam.add_metric(list(key) if isinstance(key, tuple) else [key], value)
             return fam
 
-        def gauge(name: str, doc: str, values: dict[str, float]) -> GaugeMetricFamily:
-            fam = GaugeMetricFamily(name, doc, labels=["tier"])
+        def gauge(name: str, values: dict[str, float]) -> GaugeMetricFamily:
+            f = FAMILIES[name]
+            fam = GaugeMetricFamily(f"kvtier_{name}", f.doc, labels=list(f.labels))
             for tier, value in values.items():
                 if value is not None:  # a shared tier that did not answer has no figure, rather than a wrong one
                     fam.add_metric([tier], value)
@@ -166,31 +189,26 @@ class _Collector:
         def pairs(items: dict) -> dict:
             return {tuple(k.split("->" if "->" in k else "/", 1)): v for k, v in items.items()}
 
-        yield counter("kvtier_moves", "Blocks moved", ["src", "dst"], pairs(snap["moves"]))
-        yield counter("kvtier_move_bytes", "Bytes moved", ["src", "dst"], pairs(snap["move_bytes"]))
-        yield counter("kvtier_stores_dropped", "Block stores dropped", ["reason"], snap["stores_dropped"])
-        yield counter("kvtier_integrity_failures", "Corrupt, torn or foreign blocks detected", ["tier"],
-                      snap["integrity_failures"])
+        yield counter("moves", pairs(snap["moves"]))
+        yield counter("move_bytes", pairs(snap["move_bytes"]))
+        yield counter("stores_dropped", snap["stores_dropped"])
+        yield counter("integrity_failures", snap["integrity_failures"])
         shared = snap.get("shared", {})
-        if shared:
-            state = GaugeMetricFamily("kvtier_redis_breaker_state",
-                                      "Circuit breaker of the shared tier: 0 closed, 1 half-open, 2 open")
-            state.add_metric([], max(BREAKER_GAUGE[s["breaker_state"]] for s in shared.values()))
-            yield state
-            yield CounterMetricFamily("kvtier_redis_breaker_opens", "Times the shared tier's breaker opened",
+        if shared:  # in-process, one client per shared store: one series of each, no labels
+            state = FAMILIES["redis_breaker_state"]
+            fam = GaugeMetricFamily(f"kvtier_{state.name}", state.doc)
+            fam.add_metric([], max(BREAKER_GAUGE[s["breaker_state"]] for s in shared.values()))
+            yield fam
+            opens = FAMILIES["redis_breaker_opens"]
+            yield CounterMetricFamily(f"kvtier_{opens.name}", opens.doc,
                                       value=sum(s["breaker_opens"] for s in shared.values()))
         if d is None:
             return
-        yield counter("kvtier_lookup_tokens", "Tokens looked up, by where they were found", ["source"],
-                      snap["lookup_tokens"])
-        yield counter("kvtier_evictions", "Blocks evicted", ["tier", "reason"], pairs(snap["evictions"]))
-        yield counter("kvtier_admission_rejects", "Blocks refused by a tier's admission rule", ["tier", "reason"],
-                      pairs(snap["admission_rejects"]))
+        yield counter("lookup_tokens", snap["lookup_tokens"])
+        yield counter("evictions", pairs(snap["evictions"]))
+        yield counter("admission_rejects", pairs(snap["admission_rejects"]))
         tiers = snap["tiers"]
-        yield gauge("kvtier_tier_used_bytes", "Bytes held by a tier", {t: v["used_bytes"] for t, v in tiers.items()})
-        yield gauge("kvtier_tier_capacity_bytes", "Configured bytes of a tier",
-                    {t: v["capacity_bytes"] for t, v in tiers.items()})
-        yield gauge("kvtier_tier_enabled", "1 while a tier serves, 0 once the guard turned it off",
-                    {t: float(v["enabled"]) for t, v in tiers.items()})
-        yield gauge("kvtier_orphan_blocks", "Blocks whose parent is in no tier (a bug if not 0)",
-                    snap["orphan_blocks_by_tier"])
+        yield gauge("tier_used_bytes", {t: v["used_bytes"] for t, v in tiers.items()})
+        yield gauge("tier_capacity_bytes", {t: v["capacity_bytes"] for t, v in tiers.items()})
+        yield gauge("tier_enabled", {t: float(v["enabled"]) for t, v in tiers.items()})
+        yield gauge("orphan_blocks", snap["orphan_blocks_by_tier"])

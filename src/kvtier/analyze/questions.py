@@ -20,6 +20,7 @@ from kvtier.analyze.reuse import ReuseStats
 from kvtier.analyze.verdict import verdict
 from kvtier.sim.cost import CostModel
 from kvtier.sim.mrc import MissRatioCurve, lru_mrc
+from kvtier.stores.base import TierKind
 from kvtier.traces.request import TraceRequest
 
 GiB = 1 << 30
@@ -135,13 +136,14 @@ class Analysis:
 
     # ---------------------------------------------------------------- the transfer path per request
 
-    def prefix_load_seconds(self, tier: str = "host") -> np.ndarray:
-        """Per request with a reused prefix: the time to load all of it from `tier` (its whole path)."""
+    def prefix_load_seconds(self, kind: TierKind = TierKind.HOST) -> np.ndarray:
+        """Per request with a reused prefix: the time to load all of it from a tier of this kind (its whole
+        path)."""
         cost = self.deployment.cost
         reused = np.frombuffer(self.stats.request_reused, dtype=np.uint32)
         reused = reused[reused > 0].astype(np.float64)
         nbytes = np.ceil(reused / self.block_tokens) * self.block_bytes
-        links = cost.tier_path(tier)
+        links = cost.tier_path(kind)
         return sum((link.latency_s + nbytes / link.bytes_per_s for link in links), np.zeros_like(nbytes))
 
     def reused_prefix_tokens(self, q: float) -> float:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvtier.stores.base import TierKind
+
 if TYPE_CHECKING:
     from kvtier.analyze.questions import Analysis
 
@@ -112,11 +114,11 @@ def _transfer(a: Analysis, notes: list[str]) -> Check:
 
 def _tail(a: Analysis, notes: list[str]) -> Check:
     budget = a.deployment.ttft_budget_s
-    host = a.prefix_load_seconds("host")
+    host = a.prefix_load_seconds(TierKind.HOST)
     if not len(host):
         return Check("latency", True, "no request has a prefix to load")
     p99, tokens = float(np.percentile(host, 99)), a.reused_prefix_tokens(99)
-    disk = float(np.percentile(a.prefix_load_seconds("disk"), 99))
+    disk = float(np.percentile(a.prefix_load_seconds(TierKind.DISK), 99))
     if disk > budget:
         notes.append(f"from disk, the p99 reused prefix takes {1e3 * disk:,.0f} ms to load, over the "
                      f"{1e3 * budget:,.0f} ms TTFT budget: keep the tail on host, or cap what disk serves")

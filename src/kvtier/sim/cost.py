@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.layout import KVLayout, preset
+from kvtier.stores.base import TierKind
 
 GB = 1e9
 
@@ -76,11 +77,12 @@ class CostModel:
         attention = self.layout.num_layers * self.compute.attn_pair_flops * (n * p + n * (n + 1) / 2)
         return (2 * self.compute.params * n + attention) / self.flops_per_s
 
-    def tier_path(self, tier: str) -> tuple[Link, ...]:
-        """The links a block crosses from `tier` into the engine: every cold tier stages through host."""
-        if tier == "host":
+    def tier_path(self, kind: TierKind) -> tuple[Link, ...]:
+        """The links a block crosses from a tier of this kind into the engine: every cold tier stages through
+        host."""
+        if kind is TierKind.HOST:
             return (self.pcie,)
-        if tier.startswith("disk"):
+        if kind is TierKind.DISK:
             return (self.disk, self.pcie)
         return (self.network, self.pcie)
 

@@ -31,7 +31,8 @@ from kvtier.sim.configs import SimConfig
 from kvtier.sim.cost import CostModel
 from kvtier.sim.engine import EngineCache
 from kvtier.sim.replay import complete_instantly
-from kvtier.tiers import tier_specs
+from kvtier.sizing import tier_specs
+from kvtier.stores.base import TierKind
 from kvtier.traces.request import TraceRequest
 
 TARGET_UTILIZATION = 0.7  # auto-sized servers: recomputing every prompt would keep them this busy
@@ -176,7 +177,7 @@ def _run(
             directory.finish_load(plan)
             directory.record_lookup(plan.sources, len(blocks) - in_engine)
             sources += plan.sources
-        loaded_at = _load(sources[in_engine:], cost, block_bytes, links, start)
+        loaded_at = _load(sources[in_engine:], directory, cost, block_bytes, links, start)
         cached_tokens = max(0, min(len(sources) * bt, request.input_tokens - 1))  # the last token is computed
         prefill = cost.prefill_seconds(request.input_tokens - cached_tokens, cached_tokens)
         done = loaded_at + prefill
@@ -208,14 +209,15 @@ def _priority(request: TraceRequest) -> int:
     return DEFAULT_PRIORITY if request.priority is None else request.priority
 
 
-def _load(sources: Sequence[str], cost: CostModel, block_bytes: int, links: _Links, start: float) -> float:
+def _load(sources: Sequence[str], directory: Directory | None, cost: CostModel, block_bytes: int, links: _Links,
+          start: float) -> float:
     """When the blocks from kvtier tiers are in the engine: cold reads staged through host, pipelined."""
-    if not sources:
+    if not sources or directory is None:
         return start
-    cold = Counter(s for s in sources if s != "host")
+    cold = Counter(s for s in sources if directory.kind(s) is not TierKind.HOST)
     done = links.transfer("pcie", cost.pcie.seconds(len(sources) * block_bytes), start)
     for tier, n in cold.items():
-        first_link = cost.tier_path(tier)[0]
+        first_link = cost.tier_path(directory.kind(tier))[0]
         read = links.transfer(first_link.name, first_link.seconds(n * block_bytes), start)
         done = max(done, read + cost.pcie.seconds(block_bytes))  # the last block still crosses PCIe
     return done

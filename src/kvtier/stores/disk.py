@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 import xxhash
 
+from kvtier.layout import ALIGN, DISK_HEADER_NBYTES, disk_footprint, round_up
 from kvtier.stores import blockformat
 from kvtier.stores.base import ReadStatus, RecoveredBlock
 from kvtier.stores.blockformat import Header, check_key, parse_header
-from kvtier.tiers import ALIGN, DISK_HEADER_NBYTES, disk_footprint, round_up
 
 HEADER_NBYTES = DISK_HEADER_NBYTES  # blockformat's header, zero-padded to the O_DIRECT alignment
 _LONG_KEY = 96  # longer keys get a hashed file name: 2 * 128 hex chars would pass NAME_MAX (255)

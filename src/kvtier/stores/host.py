@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.tiers import ALIGN as ALIGN, round_up  # every slot (and disk block) starts on ALIGN
+from kvtier.layout import round_up  # every slot (and disk block) starts on layout.ALIGN
 
 _HOST_REGISTER_PORTABLE = 1  # pinned for every device's context, as torch's own _pin_memory_utils does
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # the constant is in Python 3.13's mmap

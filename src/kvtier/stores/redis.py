@@ -39,7 +39,6 @@ dropped at once (counted), instead of costing a timeout each.
 
 from __future__ import annotations
 
-import enum
 import re
 import secrets
 import threading
@@ -55,10 +54,10 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from kvtier.config import RedisTierConfig
 from kvtier.stores import blockformat
-from kvtier.stores.base import ReadStatus
-from kvtier.stores.breaker import CircuitBreaker
+from kvtier.stores.base import PutStatus, ReadStatus
+from kvtier.stores.breaker import BreakerState, CircuitBreaker
+from kvtier.stores.redis_scripts import COMMIT, DROP, TOUCH
 
 Buffer = torch.Tensor | memoryview | bytes | bytearray
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError)  # the server is not answering: breaker failures
@@ -77,120 +76,6 @@ class NotStored(OSError):
     def __init__(self, status: PutStatus) -> None:
         super().__init__(f"block not stored in the redis tier: {status.value}")
         self.status = status
-
-
-class PutStatus(enum.Enum):
-    """STORED and EXISTS mean the tier has the block; the rest are stores not done, each its own reason."""
-
-    STORED = "stored"
-    EXISTS = "exists"  # already in the tier (another engine stored it): touched, not rewritten
-    ORPHAN = "orphan"  # its parent is not in the tier: storing it would break the chain invariant
-    NO_ROOM = "no_room"  # making room would have evicted its own parent
-    TOO_BIG = "too_big"  # larger than max_bytes
-    DROPPED = "dropped"  # not tried: the breaker is open
-    FAILED = "failed"  # Redis failed or refused the write
-
-
-_LUA_COMMON = """
-local P = ARGV[1]
-local USED, CLOCK, META, TICK, LEAVES = P..'!used', P..'!clock', P..'!meta', P..'!tick', P..'!leaves'
-local used = tonumber(redis.call('GET', USED) or '0')
-local function kids(id) return P..'!kids:'..id end
-local function meta(id)
-  local m = redis.call('HGET', META, id)
-  if not m then return nil end
-  local sp = string.find(m, ' ', 1, true)
-  return tonumber(string.sub(m, 1, sp - 1)), string.sub(m, sp + 1)
-end
-local function touch(id)
-  local t = redis.call('INCR', CLOCK)
-  redis.call('HSET', TICK, id, t)
-  redis.call('ZADD', LEAVES, 'XX', t, id)
-end
-local function forget(id)  -- one block; its parent becomes a leaf when this was its last child
-  local size, parent = meta(id)
-  redis.call('DEL', P..id)
-  redis.call('ZREM', LEAVES, id)
-  if not size then return 0 end
-  redis.call('HDEL', META, id)
-  redis.call('HDEL', TICK, id)
-  used = used - size
-  if parent ~= '' then
-    redis.call('SREM', kids(parent), id)
-    if redis.call('SCARD', kids(parent)) == 0 and redis.call('HEXISTS', META, parent) == 1 then
-      redis.call('ZADD', LEAVES, redis.call('HGET', TICK, parent), parent)
-    end
-  end
-  return 1
-end
-local function drop(id)  -- a block and all its descendants
-  local stack, n = {id}, 0
-  while #stack > 0 do
-    local x = table.remove(stack)
-    for _, c in ipairs(redis.call('SMEMBERS', kids(x))) do table.insert(stack, c) end
-    redis.call('DEL', kids(x))
-    n = n + forget(x)
-  end
-  return n
-end
-"""
-
-# ARGV: prefix, max_bytes, then (temporary key, id, parent id or '') per block, parents before children.
-_COMMIT = _LUA_COMMON + """
-local max = tonumber(ARGV[2])
-local out, evicted = {}, 0
-for i = 3, #ARGV, 3 do
-  local tmp, id, parent = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local size = redis.call('STRLEN', tmp)
-  local status = 'stored'
-  if size == 0 then status = 'failed'
-  elseif redis.call('HEXISTS', META, id) == 1 then touch(id); status = 'exists'
-  elseif parent ~= '' and redis.call('HEXISTS', META, parent) == 0 then status = 'orphan'
-  elseif size > max then status = 'too_big'
-  else
-    if parent ~= '' then touch(parent) end  -- the newest leaf now: evicted last, and then we stop
-    while used + size > max do
-      local lru = redis.call('ZRANGE', LEAVES, 0, 0)[1]
-      if lru == nil or lru == parent then status = 'no_room'; break end
-      evicted = evicted + forget(lru)
-    end
-  end
-  if status == 'stored' then
-    redis.call('RENAME', tmp, P..id)
-    redis.call('PERSIST', P..id)
-    local t = redis.call('INCR', CLOCK)
-    redis.call('HSET', META, id, size..' '..parent)
-    redis.call('HSET', TICK, id, t)
-    redis.call('ZADD', LEAVES, t, id)
-    if parent ~= '' then
-      redis.call('SADD', kids(parent), id)
-      redis.call('ZREM', LEAVES, parent)
-    end
-    used = used + size
-  else
-    redis.call('DEL', tmp)
-  end
-  out[#out + 1] = status
-end
-redis.call('SET', USED, used)
-out[#out + 1] = evicted
-return out
-"""
-
-# allow-oom: a Redis that is full (maxmemory) must still let us free it, and touching is harmless.
-_TOUCH = "#!lua flags=allow-oom\n" + _LUA_COMMON + """
-for i = 2, #ARGV do
-  if redis.call('HEXISTS', META, ARGV[i]) == 1 then touch(ARGV[i]) end
-end
-return 0
-"""
-
-_DROP = "#!lua flags=allow-oom\n" + _LUA_COMMON + """
-local n = 0
-for i = 2, #ARGV do n = n + drop(ARGV[i]) end
-redis.call('SET', USED, used)
-return n
-"""
 
 
 def _bulk(arg: bytes) -> bytes:
@@ -255,15 +140,6 @@ class RedisStore:
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
 
-    @classmethod
-    def from_config(cls, config: RedisTierConfig, namespace: str, payload_nbytes: int) -> RedisStore:
-        breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
-        return cls(
-            config.url, namespace, payload_nbytes, config.max_bytes, key_prefix=config.key_prefix,
-            socket_timeout_s=config.socket_timeout_s, connect_timeout_s=config.connect_timeout_s,
-            pool_size=config.pool_size, breaker=breaker, **config.connection_kwargs(),
-        )  # fmt: skip
-
     @property
     def footprint(self) -> int:
         """Bytes one block counts against max_bytes: its header and payload."""
@@ -293,7 +169,7 @@ class RedisStore:
         token = secrets.token_hex(8).encode()
         chunks: list[bytes | memoryview] = []
         small = _command(b"MULTI")  # RESP between two payloads goes out as one chunk: one send per gap
-        commit_args = [b"EVAL", _COMMIT.encode(), b"0", self._prefix, b"%d" % self.max_bytes]
+        commit_args = [b"EVAL", COMMIT, b"0", self._prefix, b"%d" % self.max_bytes]
         for i, (key, parent, payload) in enumerate(items):
             view = _byte_view(payload, self.payload_nbytes, "payload")
             header = bytearray(blockformat.HEADER_NBYTES)
@@ -316,6 +192,38 @@ class RedisStore:
         self._count("evictions", int(evicted))
         return self._count_all([PutStatus(s.decode()) for s in statuses])
 
+    def put_chain(self, items: Sequence[tuple[bytes, bytes | None, Buffer]], held: set[bytes]) -> list[PutStatus]:
+        """Write-through of (key, parent, payload) blocks, parents first, sending only what is needed.
+
+        One EXISTS round trip asks for the blocks and for those of their parents not in `held` (the keys the
+        tier is known to hold, e.g. from an earlier batch of the same chain; updated here). Blocks the tier
+        has are EXISTS and not sent; a block whose parent it lacks is ORPHAN and not sent (the commit would
+        refuse it); the rest go in one `put_many`. With the breaker open nothing is sent: all DROPPED.
+        """
+        keys = [key for key, _, _ in items]
+        mine = set(keys)
+        parents = list(dict.fromkeys(parent for _, parent, _ in items
+                                     if parent is not None and parent not in held and parent not in mine))
+        present = self.exists_many(keys + parents)
+        if not any(present) and self.breaker.state is BreakerState.OPEN:
+            return [PutStatus.DROPPED] * len(items)  # not tried (or just failed): don't send the bytes
+        held.update(k for k, p in zip(keys + parents, present) if p)
+        statuses: list[PutStatus | None] = [PutStatus.EXISTS if key in held else None for key in keys]
+        send: list[int] = []
+        for i, (key, parent, _) in enumerate(items):
+            if statuses[i] is not None:
+                continue
+            if parent is None or parent in held:
+                send.append(i)
+                held.add(key)  # for its children: the commit refuses them (ORPHAN) if this put fails
+            else:
+                statuses[i] = PutStatus.ORPHAN
+        for i, status in zip(send, self.put_many([items[i] for i in send])):
+            statuses[i] = status
+            if not status.held:
+                held.discard(items[i][0])
+        return [s if s is not None else PutStatus.FAILED for s in statuses]
+
     def get_many(self, keys: Sequence[bytes], into_buffers: Sequence[Buffer]) -> list[ReadStatus]:
         """Read blocks into `into_buffers` (CPU uint8 tensors or writable buffers of payload_nbytes).
 
@@ -328,7 +236,7 @@ class RedisStore:
             return []
         outs = [_byte_view(b, self.payload_nbytes, "into", writable=True) for b in into_buffers]
         chunks = [_command(b"GET", self._value_key(k)) for k in keys]
-        chunks.append(_command(b"EVAL", _TOUCH.encode(), b"0", self._prefix, *(self._id(k) for k in keys)))
+        chunks.append(_command(b"EVAL", TOUCH, b"0", self._prefix, *(self._id(k) for k in keys)))
         try:
             replies = self._exchange([b"".join(chunks)], len(keys) + 1)
         except _Skipped:
@@ -376,7 +284,7 @@ class RedisStore:
         """Remove blocks and all their descendants; returns how many blocks went."""
         if not keys:
             return 0
-        args = [b"EVAL", _DROP.encode(), b"0", self._prefix, *(self._id(k) for k in keys)]
+        args = [b"EVAL", DROP, b"0", self._prefix, *(self._id(k) for k in keys)]
         try:
             (removed,) = self._exchange([_command(*args)], 1)
         except _Skipped:
@@ -387,13 +295,13 @@ class RedisStore:
         self._count("deleted", removed)
         return removed
 
-    # -- single-block forms, as DiskStore has (what the mover calls today) -------------------------------
+    # -- single-block forms: the ObjectStore protocol, as DiskStore has it --------------------------------
 
     def write(self, key: bytes, parent: bytes | None, src: Buffer) -> None:
         """As DiskStore.write: returns when the tier has the block, raises OSError (with the PutStatus)
         when it does not, so the mover reports the step FAILED."""
         status = self.put_many([(key, parent, src)])[0]
-        if status not in (PutStatus.STORED, PutStatus.EXISTS):
+        if not status.held:
             raise NotStored(status)
 
     def read(self, key: bytes, into: Buffer) -> ReadStatus:

@@ -13,7 +13,6 @@ blocks on the network. Other engines may evict what it said it holds: such a fet
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import Counter
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvtier.config import KVTierConfig
-from kvtier.directory import Directory, Op, Plan, Status, Step
+from kvtier.directory import Directory, Op, Plan, Step
 from kvtier.integrations.vllm.messages import (
     EngineBlocks,
     KVTierMetadata,
@@ -33,7 +32,9 @@ from kvtier.integrations.vllm.messages import (
 from kvtier.integrations.vllm.setup import Geometry
 from kvtier.integrations.vllm.stats import Deltas, add_breaker
 from kvtier.keys import precomputed_keys
-from kvtier.tiers import HOST, local_tiers, shared_spec, shared_tier, tier_specs
+from kvtier.sizing import shared_spec, shared_tier, tier_specs
+from kvtier.stores.base import SharedStore, TierKind
+from kvtier.wiring import disk_stores, recover, redis_store
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -70,10 +71,9 @@ class SchedulerSide:
         self.geo = geometry
         self.directory = Directory(tier_specs(config, geometry.block_nbytes, geometry.world_size),
                                    shared=shared_spec(config, geometry.block_nbytes))
-        self.shared_store = self._shared_store()
+        self.shared_store = self._shared_store()  # the scheduler's own client, for lookups
         self._asking = ThreadPoolExecutor(2, thread_name_prefix="kvtier-lookup") if self.shared_store else None
         self._asked: dict[str, tuple[int, Future]] = {}  # request id -> (first key asked, blocks the store holds)
-        self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}  # plan id (its first step id) -> pending plan
         self._plan_of_step: dict[int, int] = {}
         self._lookups: dict[str, _Lookup] = {}  # request id -> what was promised to it
@@ -104,7 +104,7 @@ class SchedulerSide:
             self._lookups.pop(request.request_id, None)
             return 0, False
         blocks = -(-(end - first * self.geo.block_tokens) // self.geo.block_tokens)
-        sync = shared == 0 and all(s == HOST for s in sources[:blocks])  # see the module's doc
+        sync = shared == 0 and all(self.directory.kind(s) is TierKind.HOST for s in sources[:blocks])  # see the doc
         self._lookups[request.request_id] = _Lookup(first, blocks, end, num_computed_tokens, shared > 0, sync)
         return promised, not sync
 
@@ -175,6 +175,7 @@ class SchedulerSide:
         """What changed in the directory since the last call, and the tiers' usage now."""
         d = self.directory
         tokens = {k: v * self.geo.block_tokens for k, v in d.stats.lookup_blocks.items()}
+        usage = d.usage()
         payload = {
             "counters": {
                 "lookup_tokens": self._deltas.take("lookup_tokens", tokens),
@@ -183,8 +184,8 @@ class SchedulerSide:
                 "stores_dropped": self._deltas.take("stores_dropped", d.stats.stores_dropped + self._dropped),
             },
             "gauges": {
-                "tier_used_bytes": {t.name: t.used_bytes for t in d.tiers},
-                "tier_capacity_bytes": {t.name: t.capacity_blocks * t.spec.block_bytes for t in d.tiers},
+                "tier_used_bytes": {name: u.used_bytes for name, u in usage.items()},
+                "tier_capacity_bytes": {name: u.capacity_bytes for name, u in usage.items()},
                 "orphan_blocks": self._audit_orphans(),
             },
         }
@@ -243,12 +244,8 @@ class SchedulerSide:
         return [engine_ids[j] if skip <= j < stop else None for j in range(start, start + per)]
 
     def _ship(self, plan: Plan, kind: str) -> None:
-        """Number the plan's steps and wait for the workers to report each of them."""
-        steps = {}
-        for chain in plan.chains:
-            for step in chain:
-                step.id = next(self._ids)
-                steps[step.id] = step
+        """Wait for the workers to report each of the plan's steps (by the id the directory gave it)."""
+        steps = {step.id: step for chain in plan.chains for step in chain}
         if not steps:
             if kind == "load":
                 self.directory.finish_load(plan)
@@ -266,26 +263,16 @@ class SchedulerSide:
             self._ship(Plan(chains=[garbage]), "delete")
             self._deletes.extend(garbage)
 
-    def _shared_store(self):  # -> RedisStore | None
+    def _shared_store(self) -> SharedStore | None:
         """The scheduler's own client of the shared tier, for lookups (rank 0's namespace stands for all)."""
         found = shared_tier(self.config)
-        if found is None:
-            return None
-        from kvtier.stores.redis import RedisStore
-
-        return RedisStore.from_config(found[1], self.geo.namespace(rank=0), self.geo.block_nbytes)
+        return None if found is None else redis_store(found[1], self.geo.namespace(rank=0), self.geo.block_nbytes)
 
     def _recover(self) -> None:
         """A restart takes back what the disk tier of rank 0 holds (headers only: metadata, no payloads)."""
-        from kvtier.stores.disk import DiskStore  # the scan reads file headers
-
-        for name, tier in local_tiers(self.config):
-            store = DiskStore(tier.root_dir, self.geo.namespace(rank=0), 0, self.geo.block_nbytes, o_direct=tier.o_direct)
-            found, removed = store.scan()
-            deletes = self.directory.adopt(name, [(b.key, b.parent) for b in found])
-            for step in deletes:
-                store.delete(step.key)
-                self.directory.complete(step, Status.OK)
-            store.close()
-            if found or any(removed.values()):
-                log.info("kvtier: %s tier recovered %d blocks, removed %s", name, len(found), removed)
+        disks = disk_stores(self.config, self.geo.block_nbytes, self.geo.namespace(rank=0), rank=0)
+        try:
+            recover(self.directory, disks)
+        finally:
+            for store in disks.values():
+                store.close()

@@ -1,5 +1,6 @@
 """kvtier's figures through vLLM's stats path: workers and scheduler report deltas each step, vLLM aggregates
-them, logs them, and hands them to Prometheus under the DESIGN.md family names (with vLLM's engine labels)."""
+them, logs them, and hands them to Prometheus as the families of `kvtier.metrics.FAMILIES` (with vLLM's engine
+labels)."""
 
 from __future__ import annotations
 
@@ -9,26 +10,10 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvtier.metrics import BREAKER_GAUGE
+from kvtier.metrics import BREAKER_GAUGE, FAMILIES, Family
 
 SEP = "|"  # joins label values in the serializable payload
-
-COUNTERS: dict[str, tuple[str, list[str]]] = {  # payload key -> (documentation, labels); the metric is kvtier_<key>
-    "lookup_tokens": ("Prompt tokens looked up, by the tier that served them (or miss)", ["source"]),
-    "moves": ("Blocks moved", ["src", "dst"]),
-    "move_bytes": ("Bytes moved", ["src", "dst"]),
-    "evictions": ("Blocks evicted", ["tier", "reason"]),
-    "admission_rejects": ("Blocks refused by a tier's admission rule", ["tier", "reason"]),
-    "stores_dropped": ("Block stores dropped", ["reason"]),
-    "integrity_failures": ("Corrupt, torn or foreign blocks detected (served as misses)", ["tier"]),
-    "redis_breaker_opens": ("Times a shared tier's circuit breaker opened", ["tier", "side"]),
-}
-GAUGES: dict[str, tuple[str, list[str]]] = {
-    "tier_used_bytes": ("Bytes held by a tier", ["tier"]),
-    "tier_capacity_bytes": ("Configured bytes of a tier", ["tier"]),
-    "orphan_blocks": ("Blocks whose parent is in no tier (a bug if not 0)", ["tier"]),
-    "redis_breaker_state": ("Circuit breaker of a shared tier: 0 closed, 1 half-open, 2 open", ["tier", "side"]),
-}
+PER_CLIENT = ["tier", "side"]  # a shared tier's breaker: one per client (the scheduler's lookups, each rank)
 
 
 def label(key: Any) -> str:
@@ -96,12 +81,14 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {name: self._counter_cls(name=f"kvtier_{name}", documentation=doc,
-                                                  labelnames=labelnames + extra)
-                          for name, (doc, extra) in COUNTERS.items()}
-        self._gauges = {name: self._gauge_cls(name=f"kvtier_{name}", documentation=doc,
-                                              labelnames=labelnames + extra, multiprocess_mode="mostrecent")
-                        for name, (doc, extra) in GAUGES.items()}
+        def labels(family: Family) -> list[str]:
+            return labelnames + list(family.labels) + (PER_CLIENT if family.per_client else [])
+
+        self._counters = {f.name: self._counter_cls(name=f"kvtier_{f.name}", documentation=f.doc, labelnames=labels(f))
+                          for f in FAMILIES.values() if f.kind == "counter"}
+        self._gauges = {f.name: self._gauge_cls(name=f"kvtier_{f.name}", documentation=f.doc, labelnames=labels(f),
+                                                multiprocess_mode="mostrecent")
+                        for f in FAMILIES.values() if f.kind == "gauge"}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = [str(v) for v in self.per_engine_labelvalues[engine_idx]]

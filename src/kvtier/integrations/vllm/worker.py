@@ -11,7 +11,6 @@ import logging
 import math
 import os
 import threading
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,14 +20,9 @@ from kvtier.integrations.vllm.messages import EngineBlocks, KVTierMetadata, KVTi
 from kvtier.integrations.vllm.setup import Geometry
 from kvtier.integrations.vllm.stats import Deltas, add_breaker
 from kvtier.metrics import Metrics
-from kvtier.mover import Mover, Store
-from kvtier.stores.disk import DiskStore
-from kvtier.stores.host import HostSlab
-from kvtier.tiers import HOST, host_slots, local_tiers, shared_tier
-
-if TYPE_CHECKING:
-    from kvtier.mover import Block
-    from kvtier.stores.redis import RedisStore
+from kvtier.mover import CallerBlock, Mover
+from kvtier.stores.base import Stores
+from kvtier.wiring import build_mover, build_stores
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +51,7 @@ class WorkerSide:
         self.rank = rank
         self.pages: list[torch.Tensor] = []
         self.mover: Mover | None = None
-        self.shared: tuple[str, RedisStore] | None = None  # the shared tier's name and this rank's client
+        self.stores: Stores | None = None
         self.metrics = Metrics(None, geo.block_tokens)
         self._lock = threading.Lock()
         self._sent = threading.Condition(self._lock)  # a held request's blocks are all copied out
@@ -76,25 +70,10 @@ class WorkerSide:
         if found != self.geo.engine_block_nbytes:
             raise ValueError(f"kvtier: engine block is {found} B in the KV tensors, {self.geo.engine_block_nbytes} B"
                              " by the KV-cache config")
-        payload = self.geo.block_nbytes
-        stores: dict[str, Store] = {HOST: HostSlab(host_slots(self.config, payload, self.geo.world_size), payload)}
-        fs = local_tiers(self.config)
-        for name, tier in fs:
-            stores[name] = DiskStore(tier.root_dir, self.geo.namespace(self.rank), self.rank, payload,
-                                     o_direct=tier.o_direct)
-        shared = shared_tier(self.config)
-        if shared is not None:
-            from kvtier.stores.redis import RedisStore
-
-            self.shared = (shared[0], RedisStore.from_config(shared[1], self.geo.namespace(self.rank), payload))
-            stores[shared[0]] = self.shared[1]
-            self.metrics.shared[shared[0]] = self.shared[1]
-        self.mover = Mover(stores, self._report, self.metrics,
-                           n_read_threads=fs[0][1].n_read_threads if fs else 2,
-                           n_write_threads=fs[0][1].n_write_threads if fs else 2,
-                           queue_depth=self.config.queue_depth, cpus=self._cpus,
-                           n_shared_read_threads=shared[1].n_read_threads if shared else 1,
-                           n_shared_write_threads=shared[1].n_write_threads if shared else 1)
+        self.stores = build_stores(self.config, self.geo.block_nbytes, self.geo.namespace(self.rank), self.rank,
+                                   self.geo.world_size)
+        self.metrics.shared.update(self.stores.shared)
+        self.mover = build_mover(self.config, self.stores, self._report, self.metrics, cpus=self._cpus)
 
     # ---------------------------------------------------------------- per engine step
 
@@ -131,7 +110,7 @@ class WorkerSide:
             if not job.sync:  # vLLM waits for an asynchronous load to be reported; a synchronous one it ran
                 self._recving.add(job.request_id)
 
-    def _parts(self, engine_blocks: EngineBlocks) -> Block:
+    def _parts(self, engine_blocks: EngineBlocks) -> CallerBlock:
         parts: list[torch.Tensor | int] = []
         for block_id in engine_blocks:
             for page in self.pages:
@@ -191,10 +170,13 @@ class WorkerSide:
                 "integrity_failures": self._deltas.take("integrity_failures", moves.integrity_failures),
                 "stores_dropped": self._deltas.take("stores_dropped", moves.stores_dropped),
             }, "gauges": {}}
-        if self.shared is not None:
-            add_breaker(payload, self.shared[1], self.shared[0], f"rank{self.rank}", self._deltas)
+        shared = self.stores.shared if self.stores is not None else {}
+        for name, store in shared.items():
+            add_breaker(payload, store, name, f"rank{self.rank}", self._deltas)
         return payload
 
     def shutdown(self) -> None:
         if self.mover is not None:
             self.mover.close()
+        if self.stores is not None:
+            self.stores.close()

@@ -1,5 +1,5 @@
-"""From a config to the directory's tier specs: one place, so the in-process cache and the vLLM scheduler
-size their tiers the same way. Metadata only: no torch, no files.
+"""From a config to the tiers the directory sees: one place, so that the in-process cache, the vLLM scheduler
+and the simulator size their tiers the same way. Metadata only: no torch, no files.
 
 Tiers are *local* (host, then each `fs` tier: "disk", "disk1", ...; the directory owns their contents) or
 *shared* (the one `redis` tier, named "redis": other engines change it, so its store keeps its contents and
@@ -13,23 +13,13 @@ import logging
 from kvtier.admission import AdmissionRule
 from kvtier.config import AdmissionConfig, FsTierConfig, KVTierConfig, RedisTierConfig
 from kvtier.directory import SharedSpec, TierSpec
+from kvtier.layout import disk_footprint, round_up
+from kvtier.stores.base import TierKind
 from kvtier.stores.blockformat import HEADER_NBYTES as SHARED_HEADER_NBYTES
 
-ALIGN = 4096  # page size and the O_DIRECT alignment: host slots and disk payloads start on it
-DISK_HEADER_NBYTES = ALIGN
 HOST = "host"
 SHARED = "redis"
 log = logging.getLogger(__name__)
-
-
-def round_up(n: int, align: int = ALIGN) -> int:
-    """Smallest multiple of `align` that is >= n."""
-    return -(-n // align) * align
-
-
-def disk_footprint(payload_nbytes: int) -> int:
-    """Bytes one block occupies on disk: its header and its payload padded to the alignment."""
-    return DISK_HEADER_NBYTES + round_up(payload_nbytes)
 
 
 def host_slots(config: KVTierConfig, payload_nbytes: int, world_size: int = 1) -> int:
@@ -80,11 +70,12 @@ def _rule(admission: AdmissionConfig) -> AdmissionRule:
 def tier_specs(config: KVTierConfig, payload_nbytes: int, world_size: int = 1) -> list[TierSpec]:
     """The local tiers, as the directory sees them (a shared tier is `shared_spec`)."""
     slots = host_slots(config, payload_nbytes, world_size)
-    specs = [TierSpec(HOST, slots * round_up(payload_nbytes), round_up(payload_nbytes), slotted=True,
+    specs = [TierSpec(HOST, slots * round_up(payload_nbytes), round_up(payload_nbytes), kind=TierKind.HOST,
                       policy=config.eviction_policy, admission=_rule(config.host_admission))]
     for name, tier in local_tiers(config):
-        specs.append(TierSpec(name, tier.max_bytes, disk_footprint(payload_nbytes), policy=tier.eviction_policy,
-                              admission=_rule(tier.admission), write_through=tier.write_policy == "write_through"))
+        specs.append(TierSpec(name, tier.max_bytes, disk_footprint(payload_nbytes), kind=TierKind.DISK,
+                              policy=tier.eviction_policy, admission=_rule(tier.admission),
+                              write_through=tier.write_policy == "write_through"))
     return specs
 
 
@@ -100,3 +91,4 @@ def shared_spec(config: KVTierConfig, payload_nbytes: int) -> SharedSpec | None:
         need = shared_footprint(payload_nbytes)
         raise ValueError(f"redis tier: max_bytes={tier.max_bytes} holds no block of {need} B")
     return SharedSpec(name, shared_footprint(payload_nbytes), _rule(tier.admission))
+

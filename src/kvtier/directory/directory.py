@@ -1,0 +1,262 @@
+"""The directory: the metadata plane. Which key lives in which tier, in which state, and what to move.
+
+Pure Python and deterministic: no I/O, no torch, no threads of its own. The in-process cache, the vLLM
+connector's scheduler half and the simulator all drive this same class, so what is simulated is what runs.
+
+It plans loads (pin the readable prefix, stage blocks of slower tiers through the first) and stores (new
+blocks into the first tier, written through where configured), hands the plans to the mover, and applies the
+mover's reports in `complete`. The rules that keep the tiers consistent are the block table's
+(`kvtier.directory.table`); the shared tier's part of the plans is `kvtier.directory.shared`'s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from kvtier.directory.plan import CALLER, Op, Plan, Status, Step
+from kvtier.directory.shared import SharedTierPlans
+from kvtier.directory.state import Block, Copy, SharedSpec, State, Tier, TierSpec
+from kvtier.policies.base import DEFAULT_PRIORITY
+from kvtier.stores.base import TierKind
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    used_bytes: int
+    capacity_bytes: int
+
+
+class Directory(SharedTierPlans):
+    def __init__(
+        self,
+        tiers: Sequence[TierSpec],
+        clock: Callable[[], float] = time.monotonic,
+        sightings_capacity: int | None = None,
+        shared: SharedSpec | None = None,
+    ) -> None:
+        names = [t.name for t in tiers] + ([shared.name] if shared is not None else [])
+        if len(set(names)) != len(names) or CALLER in names:
+            raise ValueError(f"tier names must be unique and not {CALLER!r}: {names}")
+        super().__init__(tiers, clock, sightings_capacity, shared)
+
+    def record_lookup(self, sources: Sequence[str], total_blocks: int) -> None:
+        """Count a request's lookup result by source (hits per tier, the rest as misses)."""
+        counter = self.stats.lookup_blocks
+        for name in sources:
+            counter[name] += 1
+        counter["miss"] += total_blocks - len(sources)
+
+    def kind(self, tier_name: str) -> TierKind:
+        """The medium of a tier (local or shared) by its name."""
+        if self.shared is not None and tier_name == self.shared.name:
+            return self.shared.kind
+        return self.tier[tier_name].spec.kind
+
+    def usage(self) -> dict[str, TierUsage]:
+        """Bytes used and configured, per local tier: what the metrics of every driver export."""
+        return {t.name: TierUsage(t.used_bytes, t.capacity_bytes) for t in self.tiers}
+
+    # ---------------------------------------------------------------- loads
+
+    def plan_load(self, keys: Sequence[bytes], shared_end: int = 0) -> Plan:
+        """Pin the readable prefix and plan its way to the caller; blocks in slower tiers are staged in the first.
+
+        `shared_end`: the shared tier holds `keys[:shared_end]` beyond the local prefix (the caller asked it,
+        outside the directory); those blocks are fetched through the first tier after the local prefix, as far
+        as room allows. A stale answer costs a failed fetch (a miss), never a wrong block.
+        """
+        sources = self.lookup(keys)
+        first = self.tiers[0]
+        plan = Plan(chains=[], keys=list(keys[: len(sources)]), sources=sources)
+        for key in plan.keys:
+            self._blocks[key].pins += 1
+        promoted: list[Block] = []
+        whole = True  # the local prefix is planned to its end: fetches may follow it
+        for i, (key, source) in enumerate(zip(plan.keys, sources)):
+            block = self._blocks[key]
+            block.seen += 1
+            if source == first.name:
+                plan.chains.append([self._step(Op.GET, key, first.name, CALLER, src_slot=block.copies[source].slot,
+                                               index=i)])
+                continue
+            # another load is staging it (its slot is taken, its bytes not there yet), or there is no room
+            room = None if first.name in block.copies else self._room(first, key, plan)
+            if room is None:
+                self._unpin(plan.keys[i:])
+                del plan.keys[i:], plan.sources[i:]
+                whole = False
+                break
+            slot, chain = room
+            self._stage(block, source, block.copies[source].slot, slot, chain, i, plan)
+            promoted.append(block)
+        fetched = self._plan_fetch(plan, keys, shared_end) if whole else []
+        for block in promoted:
+            first.policy.insert(block.key, block.priority)
+        for block in reversed(fetched):  # leaf first: ancestors end up more recent than descendants
+            first.policy.insert(block.key, block.priority)
+        self._touch_chain([self._blocks[k] for k in plan.keys if k in self._blocks])
+        return plan
+
+    def finish_load(self, plan: Plan) -> None:
+        """Unpin a load's prefix once the caller holds its bytes."""
+        self._unpin(plan.keys)
+
+    # ---------------------------------------------------------------- stores
+
+    def plan_store(
+        self, keys: Sequence[bytes], parent: bytes | None = None, priority: int = DEFAULT_PRIORITY
+    ) -> Plan:
+        """Plan storing the blocks of one chain (`keys[i]`'s parent is `keys[i-1]`, the first's is `parent`).
+
+        Blocks already present are touched. The chain stops at the first block that is not admitted or finds
+        no room: storing its descendants would create orphans.
+
+        With a shared tier, every block of the chain that has a first-tier copy (new or not) is also written
+        through to it, parents first, until the shared tier's admission refuses one. Its step is the last of
+        the block's chain (or a chain of its own); the mover runs these steps as batches after the rest of
+        the plan, and skips the blocks the shared tier already holds.
+        """
+        first = self.tiers[0]
+        offer = self.shared is not None  # write-through to the shared tier, until its admission says no
+        through = [t for t in self.tiers[1:] if t.spec.write_through]
+        plan = Plan(chains=[])
+        chain_blocks: list[Block] = []
+        new: set[bytes] = set()
+        held: list[bytes] = []  # the chain's existing blocks stay put while we make room for the new ones
+        if parent is not None and (parent_block := self._blocks.get(parent)) is not None:
+            held.append(parent)
+            parent_block.pins += 1
+        parent_key = parent
+        for i, key in enumerate(keys):
+            block = self._blocks.get(key)
+            if block is not None:
+                block.seen += 1
+                chain_blocks.append(block)
+                held.append(key)
+                block.pins += 1
+                parent_key = key
+                if offer:
+                    offer = self._offer_shared(block, plan.chains, new=False)
+                continue
+            reason = self._store_refusal(key, parent_key, priority, first)
+            if reason is not None:
+                self.stats.stores_dropped[reason] += len(keys) - i
+                for later in keys[i + 1 :]:  # seen too: with "store on the second sighting", the next request
+                    if later not in self._blocks:  # stores the whole chain, not one more block
+                        self._sight(later)
+                break
+            room = self._room(first, key, plan, dropped=len(keys) - i)
+            if room is None:
+                break
+            slot, chain = room
+            if parent_key is not None and parent_key not in self._blocks:  # making room dropped the parent
+                self._give_back(first, slot, chain, plan)
+                self.stats.stores_dropped["orphan"] += len(keys) - i
+                break
+            block = Block(key, parent_key, priority, seen=self._sightings.pop(key, 1))
+            block.copies[first.name] = Copy(slot, State.WRITING)
+            first.used_blocks += 1
+            self._link(block)
+            chain.append(self._step(Op.PUT, key, CALLER, first.name, dst_slot=slot, index=i, parent=parent_key))
+            self.stats.planned_moves[(CALLER, first.name)] += 1
+            for tier in through:
+                self._copy_down(block, first, tier, chain, needs_prev=True)
+            if offer:
+                offer = self._offer_shared(block, chain, new=True)
+            plan.chains.append(chain)
+            chain_blocks.append(block)
+            new.add(key)
+            parent_key = key
+        self._unpin(held)
+        for block in reversed(chain_blocks):  # leaf first: ancestors end up more recent than descendants
+            if self._blocks.get(block.key) is not block:  # dropped while planning (retiring until its steps end)
+                continue
+            for name, copy in block.copies.items():
+                policy = self.tier[name].policy
+                if block.key in new:
+                    policy.insert(block.key, priority)
+                elif copy.state is State.READY and block.key in policy:
+                    policy.touch(block.key)
+        return plan
+
+    def _store_refusal(self, key: bytes, parent_key: bytes | None, priority: int, first: Tier) -> str | None:
+        if key in self._retiring:
+            return "retiring"
+        if parent_key is not None and parent_key not in self._blocks:
+            return "orphan"
+        seen = self._sight(key)
+        reason = first.spec.admission.reject_reason(priority, seen, first.spec.block_bytes, self.clock())
+        if reason is not None:
+            self.stats.admission_rejects[(first.name, reason)] += 1
+            return "admission"
+        return None
+
+    # ---------------------------------------------------------------- completions
+
+    def complete(self, step: Step, status: Status) -> None:
+        """The mover finished `step`. Only now does a copy become readable or a slot reusable."""
+        if step.op is Op.DELETE:
+            self._delete_done(step)
+            return
+        if self._shared_step_done(step):
+            return
+        holds = step.id in self._holding
+        self._holding.discard(step.id)
+        block = self._blocks.get(step.key) or self._retiring.get(step.key)
+        if block is None:
+            return
+        if holds and (src := block.copies.get(step.src)) is not None:
+            src.readers -= 1
+        if status is Status.SOURCE_LOST and step.src in block.copies:  # a demotion's source already left
+            self._remove_copy(block, self.tier[step.src], already_deleted=True)
+        if step.op is Op.GET:
+            if not block.copies and not block.retiring:
+                self._drop(block)
+            return
+        dst = block.copies.get(step.dst)
+        if dst is not None and dst.state is State.WRITING:
+            if status is Status.OK:
+                dst.state = State.READY  # a dropped block's copy is released below, once no transfer reads it
+            else:
+                self._remove_copy(block, self.tier[step.dst], already_deleted=status is not Status.OK)
+        if block.retiring:
+            self._release_idle(block)
+        elif not block.copies:
+            self._drop(block)
+
+    # ---------------------------------------------------------------- restart recovery
+
+    def adopt(self, tier_name: str, blocks: Iterable[tuple[bytes, bytes | None]]) -> list[Step]:
+        """Take back blocks a restart found in a persistent tier (oldest first). Returns deletes for the rest:
+        orphans, blocks the directory already has there, and whatever exceeds the tier's capacity."""
+        tier = self.tier[tier_name]
+        deletes: list[Step] = []
+        found = list(blocks)
+        known = {key for key, _ in found} | set(self._blocks)
+        adopted: list[Block] = []
+        for key, parent in found:
+            if key in self._blocks and tier_name in self._blocks[key].copies:
+                continue
+            if parent is not None and parent not in known:
+                deletes.append(self._delete(tier_name, key))
+                continue
+            block = self._blocks.get(key) or Block(key, parent, DEFAULT_PRIORITY)
+            block.copies[tier_name] = Copy(None, State.READY)
+            tier.used_blocks += 1
+            tier.policy.insert(key, block.priority)
+            if key not in self._blocks:
+                self._blocks[key] = block
+                adopted.append(block)
+        for block in adopted:
+            self._link(block)
+        for block in adopted:  # a parent that was on disk but not valid leaves orphans behind
+            if block.key in self._blocks and block.parent is not None and block.parent not in self._blocks:
+                self._drop(block)
+        while tier.used_blocks > tier.capacity_blocks:
+            victim = self._pick_victim(tier, None)
+            if victim is None:
+                break
+            self._evict(tier, victim, deletes, reason="capacity")
+        return deletes + self.take_garbage()

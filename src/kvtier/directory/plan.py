@@ -1,0 +1,52 @@
+"""What the directory hands the mover, and what the mover reports back.
+
+A *plan* is chains of steps. Steps of one chain run in order (a victim is demoted out of a host slot before
+the new block is written into that slot); chains run in parallel. The mover reports each step back with a
+status, and only then does a copy become readable or a slot reusable. A step carries only what the mover
+needs to move bytes (and its id, to report it by); the directory keeps its own bookkeeping by that id.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+CALLER = "caller"  # the engine or the user's tensors: source of stores, destination of loads
+
+
+class Op(enum.Enum):
+    PUT = "put"  # caller -> tier
+    COPY = "copy"  # tier -> tier (demotion, promotion, write-through)
+    GET = "get"  # tier -> caller
+    DELETE = "delete"  # remove from an unslotted tier (a file, a shared-store key)
+
+
+class Status(enum.Enum):
+    OK = "ok"
+    FAILED = "failed"  # the destination could not be written (I/O error, skipped after a failed step)
+    SOURCE_LOST = "source_lost"  # the source was missing, corrupt or foreign: it is gone now
+
+
+@dataclass(slots=True)
+class Step:
+    op: Op
+    key: bytes
+    src: str
+    dst: str
+    src_slot: int | None = None
+    dst_slot: int | None = None
+    index: int = -1  # position in the caller's block list (PUT source, GET destination)
+    parent: bytes | None = None  # written into the block's header by stores that keep one
+    needs_prev: bool = False  # skip (as FAILED) when an earlier step of the chain for this key failed
+    id: int = 0  # unique within its directory: completions are matched by it (also across processes)
+
+
+@dataclass
+class Plan:
+    chains: list[list[Step]]
+    keys: list[bytes] = field(default_factory=list)  # loads: the prefix being loaded, pinned
+    sources: list[str] = field(default_factory=list)  # loads: the tier each block came from
+
+    @property
+    def steps(self) -> int:
+        return sum(len(c) for c in self.chains)

@@ -1,0 +1,94 @@
+"""The shared tier (Redis), as the directory plans it: a place to write through to and to fetch from.
+
+Other engines add and remove the shared tier's blocks, so the directory owns neither its contents nor its
+bytes (its store keeps both, for all engines). It only plans moves through it:
+
+- write-through from the first tier (`_offer_shared`, called by `plan_store`): a COPY first->shared step for
+  each block of the chain with a first-tier copy, parents first, until the shared tier's admission says no.
+  The step pins its block until it completes, so that its first-tier bytes stay put while they are sent.
+- fetches into the first tier (`_plan_fetch`, called by `plan_load` with `shared_end`: the caller asked the
+  store which blocks after the local prefix it holds). A fetched block enters the directory like a promoted
+  one (a WRITING first-tier copy, pinned, then a GET); a fetch that fails or finds the value gone, corrupt or
+  foreign completes not OK, and the block leaves with its descendants: a miss.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from kvtier.directory.plan import Op, Plan, Step
+from kvtier.directory.state import Block, SharedSpec, State, TierSpec
+from kvtier.directory.table import BlockTable
+from kvtier.policies.base import DEFAULT_PRIORITY
+
+
+class SharedTierPlans(BlockTable):
+    def __init__(self, tiers: Sequence[TierSpec], clock: Callable[[], float] = time.monotonic,
+                 sightings_capacity: int | None = None, shared: SharedSpec | None = None) -> None:
+        super().__init__(tiers, clock, sightings_capacity)
+        self.shared = shared
+        self._pinning: set[int] = set()  # write-through steps in flight: each pins its block
+
+    def _offer_shared(self, block: Block, chains: list, new: bool) -> bool:
+        """Plan writing `block` through from the first tier to the shared tier; False once admission refuses
+        (its descendants would be orphans there). A new block's step is appended to its own chain (`chains`
+        is that chain) after its PUT; an existing block's is a chain of its own, appended to `chains`."""
+        shared, first = self.shared, self.tiers[0]
+        assert shared is not None
+        copy = block.copies.get(first.name)
+        if copy is None or block.retiring or (copy.state is not State.READY and not new):
+            return True  # no bytes in the first tier to send (the shared tier may hold it anyway)
+        # an existing block is most likely in the shared tier already: it spends none of the byte budget
+        nbytes = shared.block_bytes if new else 0
+        reason = shared.admission.reject_reason(block.priority, block.seen, nbytes, self.clock())
+        if reason is not None:
+            self.stats.admission_rejects[(shared.name, reason)] += 1
+            return False
+        # Pinned, not just held (readers): no copy of the shared tier keeps it in the directory, and a failed
+        # PUT removes its first-tier copy at once; the pin keeps this very block (retiring, if it was dropped)
+        # until the step completes, so that no later block of the same key takes the completion for its own.
+        # Its first-tier copy stays put (and its slot unused by others) as long as the pin.
+        block.pins += 1
+        step = self._step(Op.COPY, block.key, first.name, shared.name, copy.slot, None, parent=block.parent,
+                          needs_prev=new)
+        self._pinning.add(step.id)
+        chains.append(step if new else [step])
+        self.stats.planned_moves[(first.name, shared.name)] += 1
+        return True
+
+    def _plan_fetch(self, plan: Plan, keys: Sequence[bytes], shared_end: int) -> list[Block]:
+        """Extend a load past its local prefix with blocks fetched from the shared tier into the first tier."""
+        shared, first = self.shared, self.tiers[0]
+        fetched: list[Block] = []
+        if shared is None:
+            return fetched
+        for i in range(len(plan.keys), min(shared_end, len(keys))):
+            key = keys[i]
+            parent = keys[i - 1] if i else None
+            if key in self._blocks or key in self._retiring:  # here, but not readable: a transfer is on it
+                break
+            room = self._room(first, key, plan)
+            if room is None:
+                break
+            slot, chain = room
+            if parent is not None and parent not in self._blocks:  # never: the parent is pinned by this load
+                self._give_back(first, slot, chain, plan)
+                break
+            block = Block(key, parent, DEFAULT_PRIORITY, seen=self._sightings.pop(key, 0) + 1, pins=1)
+            self._link(block)
+            self._stage(block, shared.name, None, slot, chain, i, plan)
+            plan.keys.append(key)
+            plan.sources.append(shared.name)
+            fetched.append(block)
+        return fetched
+
+    def _shared_step_done(self, step: Step) -> bool:
+        """True if `step` was a write-through to the shared tier (now done): its pin is released."""
+        if step.id not in self._pinning:
+            return False
+        self._pinning.discard(step.id)
+        block = self._blocks.get(step.key) or self._retiring.get(step.key)
+        if block is not None:
+            self._unpin([block.key])
+        return True

@@ -1,0 +1,122 @@
+"""What the directory knows: blocks, their copies in tiers, and each tier's accounting.
+
+A block has at most one copy per tier. A copy is WRITING until the step that fills it completes OK, then
+READY (readable); `readers` counts transfers reading it, `pins` on the block count loads that promised it.
+A block that left the directory (dropped) while a transfer still touches one of its copies is *retiring*:
+no longer found by lookups, its copies still counted until the last transfer completes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvtier.admission import AdmissionRule
+from kvtier.policies import EvictionPolicy, make_policy
+from kvtier.stores.base import TierKind
+
+
+class State(enum.Enum):
+    WRITING = "writing"
+    READY = "ready"
+
+
+@dataclass(slots=True)
+class Copy:
+    slot: int | None
+    state: State
+    readers: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    key: bytes
+    parent: bytes | None
+    priority: int
+    copies: dict[str, Copy] = field(default_factory=dict)
+    children: set[bytes] | None = None
+    pins: int = 0
+    seen: int = 1
+    retiring: bool = False  # dropped: lookups no longer find it; its copies go once no transfer touches them
+
+
+@dataclass
+class TierSpec:
+    """How the directory sees a tier: bounded bytes, a fixed footprint per block, a policy, admission."""
+
+    name: str
+    capacity_bytes: int
+    block_bytes: int
+    kind: TierKind = TierKind.DISK
+    policy: str = "lru"
+    admission: AdmissionRule = field(default_factory=AdmissionRule)
+    write_through: bool = False  # stored at once with the tier above, instead of on eviction from it
+
+    @property
+    def slotted(self) -> bool:
+        """Fixed slots in one buffer (host) rather than named objects (files, keys)."""
+        return self.kind is TierKind.HOST
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.capacity_bytes // self.block_bytes
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes <= 0 or self.block_bytes <= 0:
+            raise ValueError(f"tier {self.name!r}: capacity_bytes and block_bytes must be > 0")
+        if self.capacity_bytes < self.block_bytes:
+            raise ValueError(
+                f"tier {self.name!r}: capacity {self.capacity_bytes} B holds no block of {self.block_bytes} B"
+            )
+
+
+@dataclass
+class SharedSpec:
+    """A tier shared with other engines: known to the directory only as a place to write to and fetch from."""
+
+    name: str
+    block_bytes: int  # what one block costs its write path (the admission budget)
+    admission: AdmissionRule = field(default_factory=AdmissionRule)
+    kind: TierKind = TierKind.SHARED
+
+
+class Tier:
+    """A tier's live accounting: bytes used (including deletes still pending), free slots, policy order."""
+
+    def __init__(self, spec: TierSpec, index: int) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.index = index
+        self.capacity_blocks = spec.capacity_bytes // spec.block_bytes
+        self.policy: EvictionPolicy = make_policy(spec.policy, self.capacity_blocks)
+        self.used_blocks = 0
+        self.free_slots = list(range(self.capacity_blocks - 1, -1, -1)) if spec.slotted else []
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_blocks * self.spec.block_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        """What the tier can hold in whole blocks (its configured bytes, rounded down)."""
+        return self.capacity_blocks * self.spec.block_bytes
+
+    @property
+    def full(self) -> bool:
+        return self.used_blocks >= self.capacity_blocks
+
+
+@dataclass
+class DirectoryStats:
+    """Plain counters: cheap on the hot path, exported to Prometheus at scrape time by `kvtier.metrics`."""
+
+    lookup_blocks: Counter = field(default_factory=Counter)  # source tier or "miss"
+    evictions: Counter = field(default_factory=Counter)  # (tier, reason)
+    admission_rejects: Counter = field(default_factory=Counter)  # (tier, reason)
+    stores_dropped: Counter = field(default_factory=Counter)  # reason
+    planned_moves: Counter = field(default_factory=Counter)  # (src, dst)
+
+
+class NoRoom(Exception):
+    """Every block that could make room is pinned or in flight."""

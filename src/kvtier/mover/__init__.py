@@ -1,0 +1,11 @@
+"""The data plane: executes the directory's plans on bounded thread pools and reports every step.
+
+`mover` holds the pools, the store queue and the entry points; `handlers` one handler per (source medium,
+destination medium); `shared` the batched traffic of a shared tier; `copy` the bit-exact byte copies between
+the caller's tensors and host slots.
+"""
+
+from kvtier.mover.copy import CallerBlock, copy_from_slot, copy_into_slot
+from kvtier.mover.mover import Mover
+
+__all__ = ["CallerBlock", "Mover", "copy_from_slot", "copy_into_slot"]

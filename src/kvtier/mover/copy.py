@@ -1,0 +1,94 @@
+"""Bit-exact byte copies between the caller's tensors and host slots.
+
+A caller's block is one tensor, or the parts its bytes are made of, in order (an engine's per-layer pages);
+an int part is that many bytes left as they are (bytes the caller already has). Both sides of a copy always
+get the same element type, so nothing is ever converted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+CallerBlock = torch.Tensor | Sequence[torch.Tensor | int]
+
+
+def copy_into_slot(slot: torch.Tensor, block: CallerBlock, non_blocking: bool = False) -> None:
+    """A caller's block into a host slot."""
+    for part, region in regions(block, slot):
+        _copy_bytes(region, part, non_blocking)
+
+
+def copy_from_slot(block: CallerBlock, slot: torch.Tensor, non_blocking: bool = False) -> None:
+    """The reverse of `copy_into_slot`: an int part is skipped."""
+    for part, region in regions(block, slot):
+        _copy_bytes(part, region, non_blocking)
+
+
+def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool = False) -> None:
+    """Many (destination, source) copies in one call: no Python per part."""
+    words = [_words(d, s) for d, s in pairs]
+    if words:
+        torch._foreach_copy_([d for d, _ in words], [s for _, s in words], non_blocking=non_blocking)
+
+
+def regions(block: CallerBlock, slot: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each tensor part of `block` with the slot bytes it maps to."""
+    if isinstance(block, torch.Tensor):
+        yield block, slot
+        return
+    offset = 0
+    for part in block:
+        if isinstance(part, int):
+            offset += part
+            continue
+        n = part.numel() * part.element_size()
+        yield part, slot[offset : offset + n]
+        offset += n
+
+
+def on_cpu(blocks: Sequence[CallerBlock] | None) -> bool:
+    first = _first_tensor(blocks)
+    return first is not None and first.device.type == "cpu"
+
+
+def synchronize(blocks: Sequence[CallerBlock] | None) -> None:
+    """Non-blocking copies to or from an accelerator are complete only after a sync."""
+    first = _first_tensor(blocks)
+    if first is not None and first.device.type == "cuda":
+        torch.cuda.current_stream(first.device).synchronize()
+
+
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    """Copy `src`'s bytes over `dst`'s, bit for bit (both contiguous, the same number of bytes)."""
+    d, s = _words(dst, src)
+    d.copy_(s, non_blocking=non_blocking)
+
+
+def _words(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both sides as the same element type: 8-byte words where both allow it (torch copies words faster
+    than the same bytes; see benchmarks/README.md), else bytes."""
+    if dst.dtype is src.dtype is torch.uint8 and dst.dim() == src.dim() == 1:  # engine pages and slot regions
+        if dst.numel() != src.numel() or not (dst.is_contiguous() and src.is_contiguous()):
+            raise ValueError(f"block part of {src.numel()} bytes for {dst.numel()} (or not contiguous)")
+        return dst, src
+    try:
+        d, s = dst.view(-1).view(torch.int64), src.view(-1).view(torch.int64)
+    except RuntimeError:  # a size or offset that is not a multiple of 8 bytes (or not contiguous: raises below)
+        d, s = _flat(dst), _flat(src)
+    if d.numel() != s.numel():
+        raise ValueError(f"block part of {s.numel() * s.element_size()} bytes for {d.numel() * d.element_size()}")
+    return d, s
+
+
+def _flat(block: torch.Tensor) -> torch.Tensor:
+    """A block's bytes as one flat uint8 view (no copy; never a dtype conversion)."""
+    return block.view(-1).view(torch.uint8)
+
+
+def _first_tensor(blocks: Sequence[CallerBlock] | None) -> torch.Tensor | None:
+    first = blocks[0] if blocks else None
+    if first is not None and not isinstance(first, torch.Tensor):
+        first = next((p for p in first if isinstance(p, torch.Tensor)), None)
+    return first

@@ -1,0 +1,157 @@
+"""One transfer handler per (source medium, destination medium), as vLLM's offloading registers them.
+
+The directory's steps map onto media one to one: a PUT is caller -> host slot, a GET host slot -> caller, a
+COPY slot <-> object (a disk file, a shared-store key) or object -> object, a DELETE removes an object.
+`build_handlers` makes one handler for every pair of tiers a plan can name, from the stores grouped by
+protocol, so that the mover looks a step's handler up by its (src, dst) and never asks a store its type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kvtier.directory import CALLER, Status, Step
+from kvtier.mover.copy import CallerBlock, copy_all, copy_from_slot, copy_into_slot, regions, synchronize
+from kvtier.stores.base import ObjectStore, ReadStatus, SlotStore, Stores
+
+Result = tuple[Status, int]  # the step's status and the payload bytes it moved
+
+
+@dataclass
+class CallerIO:
+    """The caller's tensors of one plan, by step index: PUT sources (`blocks`), GET destinations (`out`)."""
+
+    blocks: Sequence[CallerBlock] = ()
+    out: Sequence[CallerBlock] = ()
+
+
+class Handler(Protocol):
+    def run(self, step: Step, io: CallerIO) -> Result:
+        """Move one step's bytes; raise OSError when the destination could not be written."""
+        ...
+
+
+class CallerToSlot:
+    """PUT: a caller's block into its host slot."""
+
+    def __init__(self, slab: SlotStore) -> None:
+        self.slab = slab
+
+    def run(self, step: Step, io: CallerIO) -> Result:
+        copy_into_slot(self.slab.slot(slot_of(step.dst_slot)), io.blocks[step.index])
+        return Status.OK, self.slab.payload_nbytes
+
+    def run_many(self, steps: Sequence[Step], io: CallerIO) -> None:
+        """Every part of every block in one copy call, then one sync if the caller's side is a device."""
+        pairs = []
+        for step in steps:
+            pairs += [(region, part) for part, region in regions(io.blocks[step.index],
+                                                                 self.slab.slot(slot_of(step.dst_slot)))]
+        copy_all(pairs, non_blocking=True)
+        synchronize(io.blocks)
+
+
+class SlotToCaller:
+    """GET: a host slot into the caller's block."""
+
+    def __init__(self, slab: SlotStore) -> None:
+        self.slab = slab
+
+    def run(self, step: Step, io: CallerIO) -> Result:
+        copy_from_slot(io.out[step.index], self.slab.slot(slot_of(step.src_slot)))
+        return Status.OK, self.slab.payload_nbytes
+
+    def run_many(self, steps: Sequence[Step], io: CallerIO) -> None:
+        pairs = []
+        for step in steps:
+            pairs += list(regions(io.out[step.index], self.slab.slot(slot_of(step.src_slot))))
+        copy_all(pairs, non_blocking=True)
+        synchronize(io.out)
+
+
+class SlotToObject:
+    """COPY host -> disk or shared (a demotion, a write-through): the slot's bytes under the block's key."""
+
+    def __init__(self, slab: SlotStore, store: ObjectStore) -> None:
+        self.slab, self.store = slab, store
+
+    def run(self, step: Step, io: CallerIO) -> Result:
+        self.store.write(step.key, step.parent, self.slab.slot(slot_of(step.src_slot)))
+        return Status.OK, self.slab.payload_nbytes
+
+
+class ObjectToSlot:
+    """COPY disk or shared -> host (a promotion, a fetch): a block that is gone, torn or foreign is
+    SOURCE_LOST (the store has removed it), and counted when it was an integrity failure."""
+
+    def __init__(self, store: ObjectStore, slab: SlotStore, integrity_failure: Callable[[], None]) -> None:
+        self.store, self.slab, self.integrity_failure = store, slab, integrity_failure
+
+    def run(self, step: Step, io: CallerIO) -> Result:
+        return _read(self.store, step.key, self.slab.slot(slot_of(step.dst_slot)), self.integrity_failure)
+
+
+class ObjectToObject:
+    """COPY disk -> disk (a demotion between local tiers): read into memory, checked, then written."""
+
+    def __init__(self, src: ObjectStore, dst: ObjectStore, integrity_failure: Callable[[], None]) -> None:
+        self.src, self.dst, self.integrity_failure = src, dst, integrity_failure
+
+    def run(self, step: Step, io: CallerIO) -> Result:
+        bounce = torch.empty(self.src.payload_nbytes, dtype=torch.uint8)
+        status, nbytes = _read(self.src, step.key, bounce, self.integrity_failure)
+        if status is Status.OK:
+            self.dst.write(step.key, step.parent, bounce)
+        return status, nbytes
+
+
+class DeleteObject:
+    """DELETE: a dropped block's file or shared key."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+
+    def run(self, step: Step, io: CallerIO) -> Result:
+        self.store.delete(step.key)
+        return Status.OK, 0
+
+
+def build_handlers(stores: Stores, integrity_failure: Callable[[str], None]) -> dict[tuple[str, str], Handler]:
+    """Every (src, dst) pair of tier names a plan can hold, with its handler. `integrity_failure(tier)` counts
+    a block found torn or foreign there."""
+    host, slab = stores.host_name, stores.host
+    handlers: dict[tuple[str, str], Handler] = {(CALLER, host): CallerToSlot(slab), (host, CALLER): SlotToCaller(slab)}
+    for name, store in stores.objects():
+        counted = _counter(integrity_failure, name)
+        handlers[(host, name)] = SlotToObject(slab, store)
+        handlers[(name, host)] = ObjectToSlot(store, slab, counted)
+        handlers[(name, CALLER)] = DeleteObject(store)
+    for src_name, src in stores.local.items():
+        for dst_name, dst in stores.local.items():
+            if src_name != dst_name:
+                handlers[(src_name, dst_name)] = ObjectToObject(src, dst, _counter(integrity_failure, src_name))
+    return handlers
+
+
+def _read(store: ObjectStore, key: bytes, into: torch.Tensor, integrity_failure: Callable[[], None]) -> Result:
+    result = store.read(key, into)
+    if result is ReadStatus.OK:
+        return Status.OK, store.payload_nbytes
+    if result.is_integrity_failure:
+        integrity_failure()
+    return Status.SOURCE_LOST, 0
+
+
+def _counter(integrity_failure: Callable[[str], None], tier: str) -> Callable[[], None]:
+    return lambda: integrity_failure(tier)
+
+
+def slot_of(slot: int | None) -> int:
+    """A step's host slot, which the directory always sets where a step touches the host tier."""
+    if slot is None:
+        raise ValueError("a step into or out of a host slot names no slot")
+    return slot

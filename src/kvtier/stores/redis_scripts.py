@@ -1,0 +1,115 @@
+"""The Redis tier's Lua scripts: every change to its shared accounting runs inside Redis, atomically.
+
+The data model they keep under `key_prefix` is described in `kvtier.stores.redis`. `COMMIT` renames a put's
+temporary values into place (evicting least recently used leaves to make room), `TOUCH` marks hits as
+recently used, `DROP` removes blocks with their descendants. `allow-oom` (a `#!lua` flag, Redis/Valkey 7 and
+newer) lets a full Redis still be freed and touched.
+"""
+
+from __future__ import annotations
+
+_COMMON = """
+local P = ARGV[1]
+local USED, CLOCK, META, TICK, LEAVES = P..'!used', P..'!clock', P..'!meta', P..'!tick', P..'!leaves'
+local used = tonumber(redis.call('GET', USED) or '0')
+local function kids(id) return P..'!kids:'..id end
+local function meta(id)
+  local m = redis.call('HGET', META, id)
+  if not m then return nil end
+  local sp = string.find(m, ' ', 1, true)
+  return tonumber(string.sub(m, 1, sp - 1)), string.sub(m, sp + 1)
+end
+local function touch(id)
+  local t = redis.call('INCR', CLOCK)
+  redis.call('HSET', TICK, id, t)
+  redis.call('ZADD', LEAVES, 'XX', t, id)
+end
+local function forget(id)  -- one block; its parent becomes a leaf when this was its last child
+  local size, parent = meta(id)
+  redis.call('DEL', P..id)
+  redis.call('ZREM', LEAVES, id)
+  if not size then return 0 end
+  redis.call('HDEL', META, id)
+  redis.call('HDEL', TICK, id)
+  used = used - size
+  if parent ~= '' then
+    redis.call('SREM', kids(parent), id)
+    if redis.call('SCARD', kids(parent)) == 0 and redis.call('HEXISTS', META, parent) == 1 then
+      redis.call('ZADD', LEAVES, redis.call('HGET', TICK, parent), parent)
+    end
+  end
+  return 1
+end
+local function drop(id)  -- a block and all its descendants
+  local stack, n = {id}, 0
+  while #stack > 0 do
+    local x = table.remove(stack)
+    for _, c in ipairs(redis.call('SMEMBERS', kids(x))) do table.insert(stack, c) end
+    redis.call('DEL', kids(x))
+    n = n + forget(x)
+  end
+  return n
+end
+"""
+
+# ARGV: prefix, max_bytes, then (temporary key, id, parent id or '') per block, parents before children.
+_COMMIT_SOURCE = _COMMON + """
+local max = tonumber(ARGV[2])
+local out, evicted = {}, 0
+for i = 3, #ARGV, 3 do
+  local tmp, id, parent = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local size = redis.call('STRLEN', tmp)
+  local status = 'stored'
+  if size == 0 then status = 'failed'
+  elseif redis.call('HEXISTS', META, id) == 1 then touch(id); status = 'exists'
+  elseif parent ~= '' and redis.call('HEXISTS', META, parent) == 0 then status = 'orphan'
+  elseif size > max then status = 'too_big'
+  else
+    if parent ~= '' then touch(parent) end  -- the newest leaf now: evicted last, and then we stop
+    while used + size > max do
+      local lru = redis.call('ZRANGE', LEAVES, 0, 0)[1]
+      if lru == nil or lru == parent then status = 'no_room'; break end
+      evicted = evicted + forget(lru)
+    end
+  end
+  if status == 'stored' then
+    redis.call('RENAME', tmp, P..id)
+    redis.call('PERSIST', P..id)
+    local t = redis.call('INCR', CLOCK)
+    redis.call('HSET', META, id, size..' '..parent)
+    redis.call('HSET', TICK, id, t)
+    redis.call('ZADD', LEAVES, t, id)
+    if parent ~= '' then
+      redis.call('SADD', kids(parent), id)
+      redis.call('ZREM', LEAVES, parent)
+    end
+    used = used + size
+  else
+    redis.call('DEL', tmp)
+  end
+  out[#out + 1] = status
+end
+redis.call('SET', USED, used)
+out[#out + 1] = evicted
+return out
+"""
+
+# allow-oom: a Redis that is full (maxmemory) must still let us free it, and touching is harmless.
+_TOUCH_SOURCE = "#!lua flags=allow-oom\n" + _COMMON + """
+for i = 2, #ARGV do
+  if redis.call('HEXISTS', META, ARGV[i]) == 1 then touch(ARGV[i]) end
+end
+return 0
+"""
+
+_DROP_SOURCE = "#!lua flags=allow-oom\n" + _COMMON + """
+local n = 0
+for i = 2, #ARGV do n = n + drop(ARGV[i]) end
+redis.call('SET', USED, used)
+return n
+"""
+
+
+COMMIT = _COMMIT_SOURCE.encode()
+TOUCH = _TOUCH_SOURCE.encode()
+DROP = _DROP_SOURCE.encode()
