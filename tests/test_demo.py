@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from kvtier.demo import run_demo
+from kvtier.demo.in_process import run_demo
 
 
 def test_demo_tiers_save_recomputation_and_stay_exact():

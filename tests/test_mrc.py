@@ -17,7 +17,7 @@ import libcachesim  # a test dependency: a missing package must fail here, never
 import numpy as np
 import pytest
 
-from kvtier import bench_sim
+from kvtier.bench import simulator as bench_sim
 from kvtier.layout import preset
 from kvtier.sim.fast_replay import fast_replay, replay_blocks
 from kvtier.sim.mrc import lru_mrc, stack_distances

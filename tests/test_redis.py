@@ -327,7 +327,7 @@ def test_redis_tier_config(redis_server):
 
 
 def test_bench_measures_both_sides(redis_server):
-    from kvtier.bench_redis import _one_size
+    from kvtier.bench.redis_tier import _one_size
 
     figures = _one_size(redis_server.url, 64 << 10, n_blocks=8, batch=4, runs=2)
     assert figures["put_ratio"] > 0 and figures["get_ratio"] > 0

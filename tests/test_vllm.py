@@ -162,7 +162,7 @@ def test_bad_config_stops_the_engine_naming_the_field(tiny_model):
 def test_rollout_demo_keeps_outputs_identical_and_tiers_bounded(tmp_path):
     from rich.console import Console
 
-    from kvtier.integrations.vllm.rollout import run_rollout
+    from kvtier.demo.rollout import run_rollout
 
     report = run_rollout(n_requests=16, concurrency=4, json_path=tmp_path / "demo.json",
                          plot_path=tmp_path / "ttft.png", console=Console(file=open(os.devnull, "w")))

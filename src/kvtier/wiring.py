@@ -17,7 +17,7 @@ from kvtier.metrics import Metrics
 from kvtier.mover import Mover
 from kvtier.mover.shared import Report
 from kvtier.sizing import HOST, host_slots, local_tiers, shared_tier
-from kvtier.stores.base import SharedStore, Stores
+from kvtier.stores.base import LocalStore, SharedStore, Stores
 from kvtier.stores.breaker import CircuitBreaker
 from kvtier.stores.disk import DiskStore
 from kvtier.stores.host import HostSlab
@@ -37,7 +37,7 @@ def build_stores(config: KVTierConfig, payload_nbytes: int, namespace: str, rank
     return stores
 
 
-def disk_stores(config: KVTierConfig, payload_nbytes: int, namespace: str, rank: int = 0) -> dict[str, DiskStore]:
+def disk_stores(config: KVTierConfig, payload_nbytes: int, namespace: str, rank: int = 0) -> dict[str, LocalStore]:
     return {name: DiskStore(tier.root_dir, namespace, rank, payload_nbytes, o_direct=tier.o_direct)
             for name, tier in local_tiers(config)}
 
@@ -69,7 +69,7 @@ def build_mover(config: KVTierConfig, stores: Stores, report: Report, metrics: M
     )  # fmt: skip
 
 
-def recover(directory: Directory, disks: Mapping[str, DiskStore], lock: AbstractContextManager | None = None,
+def recover(directory: Directory, disks: Mapping[str, LocalStore], lock: AbstractContextManager | None = None,
             integrity_failures: Callable[[str, int], None] | None = None) -> None:
     """A restart takes back every valid block the disk tiers still hold (headers only: no payload is read);
     the scan has removed torn, foreign and temp files, and what the directory does not adopt is deleted."""

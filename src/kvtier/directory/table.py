@@ -186,7 +186,7 @@ class BlockTable:
             return
         reader = next((s for s in chain if s.src == tier.name and s.src_slot == slot), None)
         block = None if reader is None else self._blocks.get(reader.key) or self._retiring.get(reader.key)
-        if block is None:
+        if reader is None or block is None:
             tier.free_slots.append(slot)
             return
         block.copies[tier.name] = Copy(slot, State.READY, readers=1)

@@ -7,8 +7,8 @@ small protocol:
 
 - HOST: slots of one buffer in this process (`SlotStore`); the directory picks the slot. The bytes never
   leave the process, so they carry no header.
-- DISK: one self-checking object per block on a local file system (`ObjectStore`): write, read (verified),
-  delete.
+- DISK: one self-checking object per block on a local file system (`LocalStore`): write, read (verified),
+  delete, and a scan that finds them again after a restart.
 - SHARED: self-checking objects in a store that other engines write too (`SharedStore`): the same, in
   batches of one round trip, plus a lookup of how much of a chain it holds.
 """
@@ -94,6 +94,14 @@ class ObjectStore(Protocol):
     def close(self) -> None: ...
 
 
+class LocalStore(ObjectStore, Protocol):
+    """DISK: an ObjectStore whose blocks outlive the process, found again by a restart scan."""
+
+    def scan(self) -> tuple[list[RecoveredBlock], dict[str, int]]:
+        """The valid blocks, oldest first, and how many files were removed, by reason."""
+        ...
+
+
 class SharedStore(ObjectStore, Protocol):
     """SHARED: other engines add and evict blocks too; every batch call is one round trip."""
 
@@ -122,7 +130,7 @@ class Stores:
 
     host_name: str
     host: SlotStore
-    local: dict[str, ObjectStore] = field(default_factory=dict)  # the disk tiers, fastest first
+    local: dict[str, LocalStore] = field(default_factory=dict)  # the disk tiers, fastest first
     shared: dict[str, SharedStore] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> SlotStore | ObjectStore:

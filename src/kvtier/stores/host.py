@@ -85,8 +85,7 @@ class HostSlab:
     def _commit(self) -> None:
         """Fault every page in now, as pinning does and as vLLM's own KV cache is: memory the tier was given is
         taken at startup (a host too small shows then, not mid-traffic), and no store pays the kernel's
-        first-touch faults (on the CPU engine a store's copy took twice as long into pages never touched).
-        About 0.8 s per GiB on these machines."""
+        first-touch faults. What this costs at startup and saves per store: benchmarks/README.md."""
         try:
             self._mmap.madvise(MADV_POPULATE_WRITE)  # Linux >= 5.14: faults the pages in, writes nothing
         except OSError as e:
@@ -182,7 +181,7 @@ class HostSlab:
         if len(set(slots)) != len(slots):
             raise ValueError(f"duplicate slots in write: {slots}")
         rows = _as_blocks(src, len(slots), self.payload_nbytes, "src")
-        if slots:  # per-run copy_: measured faster than index_copy_ for both small and large blocks
+        if slots:  # per-run copy_ rather than index_copy_: faster at every block size (benchmarks/README.md)
             self._copy_runs(slots, rows, to_slab=True, device=src.device, wait=wait)
 
     def read(self, slots: Sequence[int], out: torch.Tensor, wait: bool = True) -> None:

@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.timing import percentile
+
 MAX_PROMPT = 3800
 MAX_TOKENS = 8
 BLOCK_NBYTES = 2 * 128 * 2048  # a 256-token kvtier block of the tiny model: 2 KiB per token
@@ -25,13 +27,6 @@ def configurations(root: Path) -> list[tuple[str, dict | None]]:
     host = {"cpu_bytes_to_use": 24 * BLOCK_NBYTES}  # deliberately tight: the disk tier has work to do
     disk = {"type": "fs", "root_dir": str(root / "kv"), "max_bytes": 400 * (BLOCK_NBYTES + 4096)}
     return [("baseline", None), ("+ host", host), ("+ host + disk", {**host, "secondary_tiers": [disk]})]
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 # ---------------------------------------------------------------- the engine process
@@ -72,8 +67,8 @@ def _kvtier_figures(llm: Any) -> dict:
         figures["moves"] = worker.metrics.snapshot()
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
         figures["tokens"] = {k.removeprefix("tokens_"): v for k, v in scheduler.stats.items() if k.startswith("tokens_")}
-        figures["tiers"] = {t.name: {"used_bytes": t.used_bytes, "capacity_bytes": t.capacity_blocks * t.spec.block_bytes}
-                            for t in scheduler.directory.tiers}
+        figures["tiers"] = {name: {"used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes}
+                            for name, u in scheduler.directory.usage().items()}
         figures["orphans"] = scheduler.directory.orphans()
     except (AttributeError, AssertionError, ImportError):
         pass
@@ -125,7 +120,7 @@ def run_rollout(n_requests: int = 48, seed: int = 0, concurrency: int = 4, json_
 
 
 def _run_engine(model: str, extra: dict | None, workload_path: Path, concurrency: int, progress: Any, task: Any) -> dict:
-    cmd = [sys.executable, "-m", "kvtier.integrations.vllm.rollout", model, json.dumps(extra), str(workload_path),
+    cmd = [sys.executable, "-m", "kvtier.demo.rollout", model, json.dumps(extra), str(workload_path),
            str(concurrency)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     result = None
@@ -152,8 +147,8 @@ def _summarize(name: str, extra: dict | None, result: dict, n: int) -> dict:
     moved = result["kvtier"].get("moves", {}).get("move_bytes", {})
     return {
         "name": name, "config": extra,
-        "ttft_ms": {q: 1e3 * _percentile(ttft, p) for q, p in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))},
-        "itl_ms": {q: 1e3 * _percentile(itl, p) for q, p in (("p50", 0.5), ("p99", 0.99))},
+        "ttft_ms": {q: 1e3 * percentile(ttft, p) for q, p in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))},
+        "itl_ms": {q: 1e3 * percentile(itl, p) for q, p in (("p50", 0.5), ("p99", 0.99))},
         "ttft_all_ms": [1e3 * t for t in ttft],
         "tokens": {"engine": cached - from_tiers, **tiers, "recomputed": prompt_tokens - cached},
         "bytes_moved": moved, "tiers": result["kvtier"].get("tiers", {}), "orphans": result["kvtier"].get("orphans", 0),

@@ -3,67 +3,28 @@
 For 256 KiB, 1 MiB and 4 MiB blocks: the tier's `put_many` / `get_many` (header, checksums, accounting
 script, copy into the caller's buffer) against a raw redis-py pipeline of SET / GET of the same payloads.
 Runs alternate (raw, tier, raw, tier, ...) so that drift on a shared machine hits both alike; we report the
-median throughput of each and their ratio (target >= 0.8). Starts its own redis-server on a free port.
+median throughput of each and their ratio (target >= 0.8). Starts its own redis-server on a free port
+(`kvtier.bench.redis_server`, the starter the tests use too).
 
 Where hiredis is installed, redis-py packs each SET into one buffer, copying the value, while the tier sends
-payloads straight from the caller's tensor: its puts then beat the raw baseline (ratios near 2).
+payloads straight from the caller's tensor (what that does to the put ratio: benchmarks/README.md).
 """
 
 from __future__ import annotations
 
-import contextlib
-import shutil
-import socket
 import statistics
-import subprocess
-import tempfile
-import time
-from collections.abc import Callable, Iterator
 
 import redis
 import torch
 from redis.utils import HIREDIS_AVAILABLE
 
+from kvtier.bench.redis_server import throwaway_redis
+from kvtier.bench.timing import timed
 from kvtier.stores.base import ReadStatus
 from kvtier.stores.redis import PutStatus, RedisStore
 
 SIZES = {"256KiB": 256 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
 NAMESPACE = "0" * 32
-
-
-@contextlib.contextmanager
-def redis_server() -> Iterator[str]:
-    """A throwaway redis-server on a free loopback port, no persistence; yields its URL."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-") as tmp:
-        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", tmp, "--loglevel", "warning"]  # fmt: skip
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            client = redis.Redis(host="127.0.0.1", port=port)
-            for _ in range(500):
-                with contextlib.suppress(redis.exceptions.ConnectionError):
-                    if client.ping():
-                        break
-                if proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {proc.returncode}")
-                time.sleep(0.02)
-            client.close()
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            proc.terminate()
-            proc.wait(timeout=10)
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def _one_size(url: str, nbytes: int, n_blocks: int, batch: int, runs: int) -> dict:
@@ -108,10 +69,10 @@ def _one_size(url: str, nbytes: int, n_blocks: int, batch: int, runs: int) -> di
     try:
         for _ in range(runs):
             client.flushdb()
-            times["raw_put"].append(_timed(raw_put))
-            times["tier_put"].append(_timed(tier_put))
-            times["raw_get"].append(_timed(raw_get))
-            times["tier_get"].append(_timed(tier_get))
+            times["raw_put"].append(timed(raw_put)[0])
+            times["tier_put"].append(timed(tier_put)[0])
+            times["raw_get"].append(timed(raw_get)[0])
+            times["tier_get"].append(timed(tier_get)[0])
         if not all(torch.equal(a, b) for a, b in zip(into, payloads)):
             raise RuntimeError("tier get returned other bytes")
     finally:
@@ -134,7 +95,7 @@ def run(quick: bool = False) -> dict:
     total = (32 if quick else 128) << 20  # bytes moved per run and direction
     runs = 3 if quick else 7
     results = {}
-    with redis_server() as url:
+    with throwaway_redis() as url:
         for name, nbytes in SIZES.items():
             n_blocks = total // nbytes
             results[name] = _one_size(url, nbytes, n_blocks, batch=min(16, n_blocks), runs=runs)

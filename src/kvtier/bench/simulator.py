@@ -20,13 +20,13 @@ import math
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvtier.bench.timing import timed
 from kvtier.sim.fast_replay import fast_replay
 from kvtier.sim.mrc import lru_mrc
 from kvtier.traces.locate import shared_traces_dir
@@ -128,19 +128,13 @@ class _Oracle:
         return hits
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    started = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - started, out
-
-
 def _mrc_case(requests: list[TraceRequest], oracle: _Oracle, repeats: int) -> dict[str, Any]:
     points = sorted({int(c) for c in np.geomspace(16, max(oracle.distinct, 16), MRC_POINTS)})
     ours_s, theirs_s, ratios = [], [], []
     equal = True
     for _ in range(repeats):
-        t_ours, curve = _timed(lambda: lru_mrc(requests))
-        t_theirs, hits = _timed(lambda: [oracle.c_hits("lru", c) for c in points])
+        t_ours, curve = timed(lambda: lru_mrc(requests))
+        t_theirs, hits = timed(lambda: [oracle.c_hits("lru", c) for c in points])
         equal &= hits == [curve.hits(c) for c in points]
         ours_s.append(t_ours)
         theirs_s.append(t_theirs)
@@ -156,7 +150,7 @@ def _mrc_case(requests: list[TraceRequest], oracle: _Oracle, repeats: int) -> di
 
 
 def _mrc_alone(requests: list[TraceRequest], repeats: int) -> dict[str, Any]:
-    return {"mrc_s": statistics.median(_timed(lambda: lru_mrc(requests))[0] for _ in range(repeats)),
+    return {"mrc_s": statistics.median(timed(lambda: lru_mrc(requests))[0] for _ in range(repeats)),
             "mrc_vs_libcachesim": None}
 
 
@@ -173,7 +167,7 @@ def _replay_case(requests: list[TraceRequest], oracle: _Oracle, capacity: int, r
         results: dict[str, Any] = {}
         for _ in range(repeats):
             for name, fn in runs.items():
-                seconds, results[name] = _timed(fn)
+                seconds, results[name] = timed(fn)
                 speeds[name].append(n / seconds)
         out[f"replay_{policy}_accesses_per_s"] = statistics.median(speeds["ours"])
         out[f"libcachesim_{policy}_accesses_per_s"] = statistics.median(speeds["c"])
@@ -194,7 +188,7 @@ def _replay_alone(requests: list[TraceRequest], capacity: int, repeats: int) -> 
     out: dict[str, Any] = {}
     for policy in POLICIES:
         run_once = partial(fast_replay, requests, policy, capacity)
-        out[f"replay_{policy}_accesses_per_s"] = statistics.median(n / _timed(run_once)[0] for _ in range(repeats))
+        out[f"replay_{policy}_accesses_per_s"] = statistics.median(n / timed(run_once)[0] for _ in range(repeats))
     return out
 
 

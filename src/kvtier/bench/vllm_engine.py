@@ -22,12 +22,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.timing import percentile
+
 PROMPT = 4032  # tokens: a ~4k prefix and the last engine block, within the tiny model's 4,096 positions
 FILLER = 2048
 REPS = 5
 UNIQUE = 96  # per round: the p99 of 96 is the second slowest, not just the slowest
 ROUNDS = 5  # of the no-reuse comparison: fresh engines differ by several percent, so pair them and repeat
 BLOCK_NBYTES = 2 * 128 * 2048  # a 256-token block of the tiny model
+
+
+def p99(values: list[float]) -> float:
+    return percentile(values, 0.99)
 
 
 def _tokens(seed: str, n: int) -> list[int]:
@@ -66,11 +72,6 @@ def _engine_main(model: str, config_json: str, out_path: str, reps: int, unique:
     Path(out_path).write_text(json.dumps(result))
 
 
-def _p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-
-
 def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
     from rich.console import Console
     from rich.table import Table
@@ -93,7 +94,7 @@ def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
             console.print(f"[bold]engine: {name}[/bold]")
             out = root / f"{name}.json"
             shutil.rmtree(root / "kv", ignore_errors=True)
-            proc = subprocess.run([sys.executable, "-m", "kvtier.integrations.vllm.bench", model,
+            proc = subprocess.run([sys.executable, "-m", "kvtier.bench.vllm_engine", model,
                                    json.dumps(configs[name]), str(out), str(reps), str(unique)],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
@@ -103,7 +104,7 @@ def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
         runs = {name: engine(name, REPS, 0) for name in configs}
         no_reuse = [{name: engine(name, 0, UNIQUE)["unique"] for name in configs} for _ in range(ROUNDS)]
     med = {name: {k: statistics.median(v) for k, v in r.items() if v} for name, r in runs.items()}
-    p99_ratios = {on: [_p99(r[on]) / _p99(r["off"]) for r in no_reuse] for on in ("host", "disk")}
+    p99_ratios = {on: [p99(r[on]) / p99(r["off"]) for r in no_reuse] for on in ("host", "disk")}
     result = {
         "ttft_host_vs_recompute": med["host"]["restored"] / med["off"]["restored"],
         "ttft_disk_vs_recompute": med["disk"]["restored"] / med["off"]["restored"],
@@ -111,7 +112,7 @@ def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
         "p99_ttft_no_reuse_on_vs_off": statistics.median(p99_ratios["host"]),
         "p99_ttft_no_reuse_disk_on_vs_off": statistics.median(p99_ratios["disk"]),
         "p99_ttft_no_reuse_rounds": p99_ratios,
-        "no_reuse_ttft_ms": [{name: {"p50": 1e3 * statistics.median(v), "p99": 1e3 * _p99(v)} for name, v in r.items()}
+        "no_reuse_ttft_ms": [{name: {"p50": 1e3 * statistics.median(v), "p99": 1e3 * p99(v)} for name, v in r.items()}
                              for r in no_reuse],
         "ttft_ms": {name: {k: 1e3 * v for k, v in m.items() if k != "restored_cached"} for name, m in med.items()},
         "restored_cached_tokens": {name: r["restored_cached"] for name, r in runs.items()},

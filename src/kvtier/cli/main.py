@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from kvtier import __version__
-from kvtier.analyze import commands as decide
+from kvtier.cli import trace_commands as decide
 from kvtier.config import ConfigError, parse_config
 
 EXIT_BAD_INPUT = 2
@@ -78,14 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return _demo(args)
         if args.command == "bench" and args.vllm:
-            from kvtier.integrations.vllm.bench import run_vllm_bench
+            from kvtier.bench.vllm_engine import run_vllm_bench
 
             run_vllm_bench(str(args.json) if args.json else None)
             return 0
         if args.command == "bench":
-            from kvtier import bench
+            from kvtier.bench.tiers import run
 
-            bench.run(str(args.json) if args.json else None, quick=args.quick, root=str(args.root) if args.root else None)
+            run(str(args.json) if args.json else None, quick=args.quick, root=str(args.root) if args.root else None)
             return 0
     except ConfigError as exc:
         print(f"kvtier: {exc}", file=sys.stderr)
@@ -104,19 +104,15 @@ def _demo(args: argparse.Namespace) -> int:
     if config is not None and not args.in_process:
         raise ValueError("--config applies to --in-process only")
     if args.in_process:
-        from kvtier.demo import run_demo
+        from kvtier.demo.in_process import run_demo
 
         results = run_demo(n_requests=args.requests, seed=args.seed, config=config)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps([r.as_dict() for r in results], indent=2, default=str))
         return 0 if all(r.exact for r in results) else 1
-    from kvtier.integrations.vllm.rollout import run_rollout
+    from kvtier.demo.rollout import run_rollout
 
     report = run_rollout(n_requests=args.requests, seed=args.seed, concurrency=args.concurrency,
                          json_path=args.json, plot_path=args.plot)
     return 0 if all(c["identical_to_baseline"] for c in report["configurations"]) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The terminal tables of `kvtier bench`: ours, the baseline, their ratio and the target, per figure."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def size_name(nbytes: int) -> str:
+    return f"{nbytes // MiB}MiB" if nbytes % MiB == 0 else f"{nbytes // KiB}KiB"
+
+
+def print_tiers(console: Console, result: dict) -> None:
+    table = Table(title="kvtier bench: ours vs baseline, medians of paired runs")
+    for column in ("figure", "ours", "baseline", "ratio", "target", ""):
+        table.add_column(column, justify="left" if column == "figure" else "right")
+
+    def row(name: str, ours: str, base: str, ratio: float, target: str, met: bool | None) -> None:
+        mark = "" if met is None else ("[green]ok[/]" if met else "[red]MISSED[/]")
+        table.add_row(name, ours, base, f"{ratio:.3f}", target, mark)
+
+    for size, case in result["host_vs_copy_by_size"].items():
+        row(f"host {size}", f"{case['ours_gbps']:.2f} GB/s", f"{case['baseline_gbps']:.2f} GB/s",
+            case["ratio"], "", None)
+    t = result["targets"]
+    row("host_vs_copy (min)", "", "copy_", t["host_vs_copy"]["value"], "≥ 0.9", t["host_vs_copy"]["met"])
+    for side in ("write", "read"):
+        case, name = result["disk"][side], f"disk_{side}_vs_raw"
+        row(name, f"{case['ours_gbps']:.2f} GB/s", f"{case['baseline_gbps']:.2f} GB/s", case["ratio"], "≥ 0.8",
+            t[name]["met"])
+    for tokens, case in result["lookup"]["by_block_tokens"].items():
+        table.add_row(f"lookup {case['keys']} keys ({tokens} tok)", f"{case['keys_per_s'] / 1e6:.2f} M/s",
+                      f"{case['dict_get_keys_per_s'] / 1e6:.2f} M/s", f"{case['vs_dict_get']:.3f}", "", "")
+    value = t["lookup_keys_per_s"]["value"]
+    table.add_row("lookup_keys_per_s (min)", f"{value / 1e6:.2f} M/s", "dict.get", "", "≥ 1.00 M/s",
+                  "[green]ok[/]" if t["lookup_keys_per_s"]["met"] else "[red]MISSED[/]")
+    console.print(table)
+    others = result["machine"]["other_processes_cpus"]
+    if result["noisy"]:
+        console.print(f"[yellow]warning: other processes kept {others:.1f} of {result['machine']['cpus']} CPUs busy "
+                      "during the run; torch's threads then stall on each other and the figures are noisy[/]")
+    console.print(f"directory of {result['lookup']['directory_blocks']:,} blocks built in "
+                  f"{result['lookup']['build_s']:.1f} s; disk benchmark ran in {result['disk']['file_system_dir']} "
+                  f"(O_DIRECT tier={result['disk']['tier_o_direct']}, raw={result['disk']['raw_o_direct']})")
+
+
+def print_simulator(console: Console, sim: dict) -> None:
+    table = Table(title=f"simulator vs libcachesim: {sim['accesses']:,} block accesses of the Mooncake conversation "
+                  "trace, medians")
+    for column in ("figure", "ours", "libcachesim", "ratio", "target", ""):
+        table.add_column(column, justify="left" if column == "figure" else "right")
+    met = sim.get("targets_met", {})
+
+    def mark(name: str) -> str:
+        return "" if name not in met else ("[green]ok[/]" if met[name] else "[red]MISSED[/]")
+
+    if "libcachesim_lru_points_s" in sim:
+        table.add_row("mrc_vs_libcachesim", f"{sim['mrc_s'] * 1e3:.0f} ms (every capacity)",
+                      f"{sim['libcachesim_lru_points_s'] * 1e3:.0f} ms (10 capacities)",
+                      f"{sim['mrc_vs_libcachesim']:.3f}", "< 1", mark("mrc_vs_libcachesim"))
+    for policy in ("lru", "arc", "s3fifo"):
+        ours = sim.get(f"replay_{policy}_accesses_per_s")
+        theirs = sim.get(f"libcachesim_{policy}_accesses_per_s")
+        if ours is None:
+            continue
+        name = f"replay_{policy}_accesses_per_s"
+        table.add_row(name, f"{ours / 1e6:.2f} M/s", f"{theirs / 1e6:.2f} M/s (C loop)" if theirs else "",
+                      f"{ours / theirs:.3f}" if theirs else "", "≥ 1.00 M/s" if policy == "lru" else "",
+                      mark(name) if policy == "lru" else "")
+    console.print(table)
+
+
+def print_redis(console: Console, redis: dict) -> None:
+    table = Table(title=f"redis tier vs raw redis-py pipelined SET/GET, same server ({redis['parser']} parser)")
+    for column in ("block", "put ours", "put raw", "put ratio", "get ours", "get raw", "get ratio"):
+        table.add_column(column, justify="left" if column == "block" else "right")
+    for size, case in redis["redis_vs_raw"].items():
+        table.add_row(size, f"{case['tier_put_GBps']:.2f} GB/s", f"{case['raw_put_GBps']:.2f} GB/s",
+                      f"{case['put_ratio']:.3f}", f"{case['tier_get_GBps']:.2f} GB/s", f"{case['raw_get_GBps']:.2f} GB/s",
+                      f"{case['get_ratio']:.3f}")
+    console.print(table)
+    ok = redis["min_ratio"] >= redis["target"]
+    console.print(f"redis_vs_raw (min) {redis['min_ratio']:.3f}, target ≥ {redis['target']}: "
+                  + ("[green]ok[/]" if ok else "[red]MISSED[/]"))

@@ -1,0 +1,113 @@
+"""`kvtier bench`: every figure is a ratio against a baseline measured in the same run, on the same machine.
+
+- host_vs_copy      TieredCache with only the host tier (store all, flush, load all into preallocated tensors)
+                    against a plain per-block torch `copy_` into a preallocated buffer and back: the same
+                    blocks, the same bytes twice.
+- disk_*_vs_raw     the disk tier, driven through a Mover wired as TieredCache wires it (host slab, DiskStore,
+                    the fs tier's configured thread counts), against one file written and read sequentially
+                    with O_DIRECT in large chunks (fsync after the write) on the same file system.
+- lookup_keys_per_s Directory.lookup of a fully cached 128k-token prompt (16- and 256-token blocks) in a
+                    warm directory of 1M blocks; a Python loop of dict.get over the same keys is the baseline.
+
+Ours and the baseline alternate (ABBA) so that they share the machine's noise (`kvtier.bench.timing`);
+figures are medians of the paired ratios, and both sides' raw throughputs are reported too. Then the
+simulator (`kvtier.bench.simulator`) and the Redis tier (`kvtier.bench.redis_tier`). benchmarks/README.md
+says more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvtier.bench import redis_tier, simulator
+from kvtier.bench.disk import disk_case
+from kvtier.bench.host import host_case
+from kvtier.bench.lookup import lookup_case
+from kvtier.bench.tables import print_redis, print_simulator, print_tiers, size_name
+from kvtier.bench.timing import cpu_busy, machine, others_load
+
+KiB, MiB = 1 << 10, 1 << 20
+TARGETS = {"host_vs_copy": 0.9, "disk_write_vs_raw": 0.8, "disk_read_vs_raw": 0.8, "lookup_keys_per_s": 1_000_000}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    host_total: int
+    host_blocks: tuple[int, ...]
+    disk_total: int
+    disk_block: int
+    directory_blocks: int
+    prompt_tokens: int
+    repetitions: int
+
+
+FULL = Sizes(256 * MiB, (256 * KiB, MiB, 4 * MiB), 512 * MiB, MiB, 1 << 20, 128 * 1024, 9)
+QUICK = Sizes(16 * MiB, (256 * KiB, MiB, 4 * MiB), 16 * MiB, MiB, 16 * 1024, 128 * 1024, 5)
+
+
+def run(json_path: str | None, quick: bool = False, root: str | None = None) -> dict:
+    """Run every benchmark, print a table, write `json_path` (if given) and return the figures."""
+    sizes = QUICK if quick else FULL
+    console = Console()
+    result: dict = {"quick": quick, "machine": machine(), "repetitions": sizes.repetitions}
+    cpu_start = cpu_busy()
+    if root is not None:
+        Path(root).mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=root))
+    reps = sizes.repetitions
+    try:
+        with Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console) as progress:
+            tasks = {f"host {size_name(b)}": 2 * (reps + 1) for b in sizes.host_blocks}
+            tasks |= {"disk write+read": reps + 1, "directory build": 1, "lookup": 2 * (reps + 1)}
+            ids = {name: progress.add_task(name, total=total) for name, total in tasks.items()}
+
+            def tick(name: str) -> Callable[[], None]:
+                return lambda: progress.advance(ids[name])
+
+            source = torch.randint(0, 256, (sizes.host_total,), dtype=torch.uint8)
+            by_size = {size_name(b): host_case(source, b, reps, tick(f"host {size_name(b)}")) for b in sizes.host_blocks}
+            del source
+            result["host_vs_copy"] = min(case["ratio"] for case in by_size.values())
+            result["host_vs_copy_overall"] = "minimum over block sizes"
+            result["host_vs_copy_median"] = statistics.median(case["ratio"] for case in by_size.values())
+            result["host_vs_copy_by_size"] = by_size
+            disk = disk_case(workdir, sizes.disk_block, sizes.disk_total, reps, tick("disk write+read"))
+            result["disk_write_vs_raw"] = disk["write"]["ratio"]
+            result["disk_read_vs_raw"] = disk["read"]["ratio"]
+            result["disk"] = disk
+            lookup = lookup_case(sizes.directory_blocks, sizes.prompt_tokens, reps, tick("directory build"),
+                                  tick("lookup"))
+            result["lookup_keys_per_s"] = min(case["keys_per_s"] for case in lookup["by_block_tokens"].values())
+            result["lookup_keys_per_s_overall"] = "minimum over block sizes"
+            result["lookup"] = lookup
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    result["machine"]["loadavg_end"] = os.getloadavg()
+    others = others_load(cpu_start)
+    result["machine"]["other_processes_cpus"] = others
+    result["noisy"] = others is not None and others > 0.3  # see the warning printed with the table
+    result["targets"] = {name: {"target": target, "value": result[name], "met": result[name] >= target}
+                         for name, target in TARGETS.items()}
+    print_tiers(console, result)
+    with console.status("simulator vs libcachesim on the Mooncake conversation trace"):
+        result["sim"] = simulator.run(quick=quick)
+    print_simulator(console, result["sim"])
+    with console.status("redis tier vs raw redis-py on a local redis-server"):
+        result["redis"] = redis_tier.run(quick=quick)
+    print_redis(console, result["redis"])
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+    return result
