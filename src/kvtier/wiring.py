@@ -14,8 +14,7 @@ from contextlib import AbstractContextManager, nullcontext
 from kvtier.config import KVTierConfig, RedisTierConfig
 from kvtier.directory import Directory, Status
 from kvtier.metrics import Metrics
-from kvtier.mover import Mover
-from kvtier.mover.shared import Report
+from kvtier.mover import Mover, Reporter
 from kvtier.sizing import HOST, host_slots, local_tiers, shared_tier
 from kvtier.stores.base import LocalStore, SharedStore, Stores
 from kvtier.stores.breaker import CircuitBreaker
@@ -53,7 +52,7 @@ def redis_store(tier: RedisTierConfig, namespace: str, payload_nbytes: int) -> S
     )  # fmt: skip
 
 
-def build_mover(config: KVTierConfig, stores: Stores, report: Report, metrics: Metrics,
+def build_mover(config: KVTierConfig, stores: Stores, report: Reporter, metrics: Metrics,
                 cpus: set[int] | None = None) -> Mover:
     """The mover's pools: the disk tiers' thread counts (the largest, when there are several; 2 and 2 with no
     disk tier), the shared tier's own."""

@@ -170,7 +170,13 @@ class Directory(SharedTierPlans):
             new.add(key)
             parent_key = key
         self._unpin(held)
-        for block in reversed(chain_blocks):  # leaf first: ancestors end up more recent than descendants
+        self._order_stored(chain_blocks, new, priority)
+        return plan
+
+    def _order_stored(self, blocks: Sequence[Block], new: set[bytes], priority: int) -> None:
+        """Insert a stored chain's new blocks into their tiers' policies, touch the others; leaf first, so that
+        ancestors end up more recent than descendants."""
+        for block in reversed(blocks):
             if self._blocks.get(block.key) is not block:  # dropped while planning (retiring until its steps end)
                 continue
             for name, copy in block.copies.items():
@@ -179,7 +185,6 @@ class Directory(SharedTierPlans):
                     policy.insert(block.key, priority)
                 elif copy.state is State.READY and block.key in policy:
                     policy.touch(block.key)
-        return plan
 
     def _store_refusal(self, key: bytes, parent_key: bytes | None, priority: int, first: Tier) -> str | None:
         if key in self._retiring:

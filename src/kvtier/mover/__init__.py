@@ -6,6 +6,7 @@ the caller's tensors and host slots.
 """
 
 from kvtier.mover.copy import CallerBlock, copy_from_slot, copy_into_slot
+from kvtier.mover.handlers import Reporter
 from kvtier.mover.mover import Mover
 
-__all__ = ["CallerBlock", "Mover", "copy_from_slot", "copy_into_slot"]
+__all__ = ["CallerBlock", "Mover", "Reporter", "copy_from_slot", "copy_into_slot"]

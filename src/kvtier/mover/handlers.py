@@ -19,6 +19,7 @@ from kvtier.mover.copy import CallerBlock, copy_all, copy_from_slot, copy_into_s
 from kvtier.stores.base import ObjectStore, ReadStatus, SlotStore, Stores
 
 Result = tuple[Status, int]  # the step's status and the payload bytes it moved
+Reporter = Callable[[Sequence[Step], Status], None]  # where a driver learns how steps ended: one status for all
 
 
 @dataclass

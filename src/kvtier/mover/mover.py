@@ -26,8 +26,8 @@ from functools import partial
 from kvtier.directory import Op, Plan, Status, Step
 from kvtier.metrics import Metrics
 from kvtier.mover.copy import CallerBlock, on_cpu
-from kvtier.mover.handlers import CallerIO, CallerToSlot, SlotToCaller, build_handlers
-from kvtier.mover.shared import Report, SharedTraffic
+from kvtier.mover.handlers import CallerIO, CallerToSlot, Reporter, SlotToCaller, build_handlers
+from kvtier.mover.shared import SharedTraffic
 from kvtier.stores.base import Stores
 
 WRITE_NICENESS = 10  # background writers: the CPU scheduler prefers the engine's threads when both want a core
@@ -38,7 +38,7 @@ class Mover:
     def __init__(
         self,
         stores: Stores,
-        report: Report,
+        report: Reporter,
         metrics: Metrics,
         n_read_threads: int = 8,
         n_write_threads: int = 4,

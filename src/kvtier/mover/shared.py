@@ -19,18 +19,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvtier.directory import Status, Step
 from kvtier.metrics import Metrics
-from kvtier.mover.handlers import slot_of
+from kvtier.mover.handlers import Reporter, slot_of
 from kvtier.stores.base import PutStatus, ReadStatus, SlotStore, Stores
 
 SHARED_BATCH_BYTES = 32 << 20  # payload bytes in one pipelined call to a shared tier
-Report = Callable[[Sequence[Step], Status], None]  # one status for all of these steps
 Cut = tuple[list[Step], Step, list[Step]]  # a chain cut around its one shared step: (before, step, after)
 log = logging.getLogger(__name__)
 
 
 class SharedTraffic:
     def __init__(
-        self, stores: Stores, report: Report, metrics: Metrics, pool: Callable[[int, str, bool], ThreadPoolExecutor],
+        self, stores: Stores, report: Reporter, metrics: Metrics, pool: Callable[[int, str, bool], ThreadPoolExecutor],
         n_read_threads: int, n_write_threads: int, queue_depth: int,
     ) -> None:
         """`pool(threads, name, background)`: the mover's thread pools, set up as its own are."""

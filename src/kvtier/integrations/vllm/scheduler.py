@@ -104,7 +104,8 @@ class SchedulerSide:
             self._lookups.pop(request.request_id, None)
             return 0, False
         blocks = -(-(end - first * self.geo.block_tokens) // self.geo.block_tokens)
-        sync = shared == 0 and all(self.directory.kind(s) is TierKind.HOST for s in sources[:blocks])  # see the doc
+        host_only = all(self.directory.kind(s) is TierKind.HOST for s in sources[:blocks])
+        sync = shared == 0 and host_only  # see the module's doc
         self._lookups[request.request_id] = _Lookup(first, blocks, end, num_computed_tokens, shared > 0, sync)
         return promised, not sync
 
