@@ -81,6 +81,7 @@ class Chain:
     steps: deque[Step]
     load: Load | None
     failed: set[bytes] = field(default_factory=set)  # the mover skips (as FAILED) a needs_prev step of these keys
+    full: set[str] = field(default_factory=set)  # ... and a write into a tier where a delete of the chain failed
 
 
 @dataclass
@@ -90,6 +91,7 @@ class Bytes:
     slots: dict[str, list[bytes | None]] = field(default_factory=dict)
     files: dict[str, set[bytes]] = field(default_factory=dict)
     lost: dict[str, set[bytes]] = field(default_factory=dict)  # files found corrupt (SOURCE_LOST), now gone
+    left: dict[str, set[bytes]] = field(default_factory=dict)  # files whose delete failed: still there
 
     def holds(self, tier: str, key: bytes, slot: int | None) -> bool:
         return self.slots[tier][slot] == key if tier in self.slots else key in self.files[tier]
@@ -110,6 +112,7 @@ class DirectoryMachine(RuleBasedStateMachine):
             slots={s.name: [None] * (s.capacity_bytes // s.block_bytes) for s in specs if s.slotted},
             files={s.name: set() for s in specs if not s.slotted},
             lost={s.name: set() for s in specs if not s.slotted},
+            left={s.name: set() for s in specs if not s.slotted},
         )
         self.chains: dict[int, Chain] = {}
         self.next_id = 0
@@ -202,6 +205,8 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.d = self.fresh_directory()
         for slots in self.bytes.slots.values():
             slots[:] = [None] * len(slots)
+        for left in self.bytes.left.values():  # a restart's scan finds every file: none is left over any more
+            left.clear()
         rnd = random.Random(seed)
         for name, files in self.bytes.files.items():
             found = sorted(files)
@@ -241,11 +246,13 @@ class DirectoryMachine(RuleBasedStateMachine):
             del self.chains[chain_id]
             if c.load is not None:
                 c.load.open_chains -= 1
-        if step.needs_prev and step.key in c.failed:
+        if (step.needs_prev and step.key in c.failed) or step.dst in c.full:
             status = Status.FAILED
         else:
             status = self._execute(step, roll)
-        if status is not Status.OK and step.op is not Op.DELETE:
+        if status is not Status.OK and step.op is Op.DELETE:
+            c.full.add(step.src)
+        elif status is not Status.OK:
             c.failed.add(step.key)
         if status is Status.SOURCE_LOST:
             for load in self.loads:
@@ -258,7 +265,11 @@ class DirectoryMachine(RuleBasedStateMachine):
         """Do what the mover would do to the bytes; return the status it would report."""
         b = self.bytes
         if step.op is Op.DELETE:
+            if roll >= ROLLS - 2 and step.key in b.files[step.src]:  # an I/O error: the file stays
+                b.left[step.src].add(step.key)
+                return Status.FAILED
             b.files[step.src].discard(step.key)
+            b.left[step.src].discard(step.key)
             return Status.OK
         if step.src != CALLER:
             if step.src in self.slotted:  # a slab has no checksum: wrong bytes here would be served silently
@@ -268,6 +279,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                 return self._failed(step, Status.SOURCE_LOST)
             elif roll == ROLLS - 1:  # the file turned out corrupt: the store removes it
                 b.files[step.src].discard(step.key)
+                b.left[step.src].discard(step.key)
                 b.lost[step.src].add(step.key)
                 return self._failed(step, Status.SOURCE_LOST)
         if roll >= ROLLS - 3:
@@ -317,10 +329,13 @@ class DirectoryMachine(RuleBasedStateMachine):
 
     @invariant()
     def accounting_is_exact(self) -> None:
-        pending_deletes = Counter(s.src for c in self.chains.values() for s in c.steps if s.op is Op.DELETE and self.d.accounted(s))
+        pending_deletes = Counter(s.src for c in self.chains.values() for s in c.steps
+                                  if s.op is Op.DELETE and self.d.accounted(s))
         for name in self.bytes.files:
             copies = sum(1 for b in all_blocks(self.d) if name in b.copies)
-            assert self.d.tier[name].used_blocks == copies + pending_deletes[name], name
+            # files a failed delete left count for good, once a lost copy's count went to them (`_owed`)
+            left = self.d.stats.failed_deletes[name] - self.d._owed[name]
+            assert self.d.tier[name].used_blocks == copies + pending_deletes[name] + left, name
         for tier in self.d.tiers:  # the policy orders exactly the tier's live copies
             live = self.d.keys_in(tier.name)
             assert len(tier.policy) == len(live) and all(k in tier.policy for k in live), tier.name
@@ -382,9 +397,12 @@ class DirectoryMachine(RuleBasedStateMachine):
             for name, copy in b.copies.items():
                 assert copy.state is State.READY and copy.readers == 0, (b.key, name, copy)
         for name, files in self.bytes.files.items():
-            assert files == set(self.d.keys_in(name)), f"{name}: files and directory disagree (orphaned bytes?)"
+            known = set(self.d.keys_in(name)) | self.bytes.left[name]
+            assert files == known, f"{name}: files and directory disagree (orphaned bytes?)"
+        assert not +self.d._owed, "every write a failed delete stopped has completed, and handed its count over"
         for tier in self.d.tiers:
-            assert tier.used_blocks == len(self.d.keys_in(tier.name)) == len(tier.policy), tier.name
+            left = self.d.stats.failed_deletes[tier.name]
+            assert tier.used_blocks - left == len(self.d.keys_in(tier.name)) == len(tier.policy), tier.name
 
 
 DirectoryMachine.TestCase.settings = settings(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 
 import torch
@@ -30,6 +31,7 @@ from kvtier.keys import Namespace
 from kvtier.metrics import Metrics
 from kvtier.policies.base import DEFAULT_PRIORITY
 from kvtier.sizing import shared_spec, shared_tier, tier_specs
+from kvtier.stores.blockformat import MAX_KEY
 from kvtier.wiring import build_mover, build_stores, recover
 
 
@@ -56,12 +58,13 @@ class TieredCache:
         specs = tier_specs(config, self.payload_nbytes, world_size)
         shared = shared_tier(config)
         self.shared: str | None = shared[0] if shared else None  # the shared tier's name
-        self.stores = build_stores(config, self.payload_nbytes, self.namespace.digest(), rank, world_size)
+        self.stores = build_stores(config, self.payload_nbytes, self.namespace.digest(), rank, world_size,
+                                   owner=f"cache-{uuid.uuid4().hex}")
         self._lock = threading.RLock()
         self.directory = Directory(specs, clock=clock, shared=shared_spec(config, self.payload_nbytes))
         self.metrics = Metrics(self.directory, config.block_size, lock=self._lock, shared=self.stores.shared)
         self.mover = build_mover(config, self.stores, self._report, self.metrics)
-        recover(self.directory, self.stores.local, self._lock, self._integrity_failures)
+        recover(self.directory, [self.stores.local], self._lock, self._integrity_failures)
 
     # ---------------------------------------------------------------- the API
 
@@ -75,6 +78,7 @@ class TieredCache:
         """
         if len(keys) != len(blocks):
             raise ValueError(f"store: {len(keys)} keys but {len(blocks)} blocks")
+        _check_keys("store", [*keys, *([parent] if parent is not None else [])])
         for block in blocks:
             self._check(block)
         if not self.mover.reserve_store():
@@ -91,6 +95,7 @@ class TieredCache:
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Leading blocks readable now, from any tier (the shared one is asked for the blocks after the local
         prefix: one round trip). No side effects."""
+        _check_keys("lookup", keys)
         with self._lock:
             local = len(self.directory.lookup(keys))
         return local + self._lookup_shared(keys, local)
@@ -115,6 +120,7 @@ class TieredCache:
         is never returned. Blocks after the local prefix that the shared tier holds are fetched from it,
         staged through the host tier.
         """
+        _check_keys("load", keys)
         if out is not None:
             if len(out) != len(keys):
                 raise ValueError(f"load: {len(keys)} keys but {len(out)} out tensors")
@@ -177,3 +183,10 @@ class TieredCache:
 
     def _integrity_failures(self, tier: str, n: int) -> None:
         self.metrics.count("integrity_failures", tier, n)
+
+
+def _check_keys(call: str, keys: Sequence[bytes]) -> None:
+    """Keys every tier can hold: a block's header names its key, and a header has room for MAX_KEY bytes."""
+    for i, key in enumerate(keys):
+        if not 0 < len(key) <= MAX_KEY:
+            raise ValueError(f"{call}: key {i} is {len(key)} bytes; keys are 1 to {MAX_KEY} bytes")

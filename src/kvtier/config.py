@@ -209,7 +209,7 @@ def parse_config(data: dict[str, Any] | str | os.PathLike[str]) -> KVTierConfig:
                 msg = f"unknown tier type {err.get('input', {}).get('type')!r}; known types: fs, redis"
             got = err.get("input")
             if isinstance(got, str) and field.endswith(".url"):
-                got = re.sub(r"//[^/@]*@", "//***@", got)  # never echo a password
+                got = re.sub(r"//.*@", "//***@", got)  # never echo credentials (up to the last @)
             shown = "" if isinstance(got, (dict, list)) or err["type"] == "missing" else f" (got {got!r})"
             problems.append(f"{field}: {msg}{shown}")
         raise ConfigError("invalid kvtier config: " + "; ".join(problems)) from None

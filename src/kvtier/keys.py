@@ -27,12 +27,12 @@ def chain_keys(
 ) -> list[bytes]:
     """Keys of every *full* block of `token_ids`; a trailing partial block has no key.
 
-    `extra_keys` (a cache salt, a LoRA name, multimodal hashes) go into every block, so two tenants with
-    different salts never share a key even for identical tokens.
+    `extra_keys` (a cache salt, a LoRA name, multimodal hashes) go into every block, each with its length in
+    front, so two tenants with different salts never share a key even for identical tokens.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
-    extra = b"".join(e.encode() if isinstance(e, str) else bytes(e) for e in extra_keys)
+    extra = b"".join(_delimited(e.encode() if isinstance(e, str) else bytes(e)) for e in extra_keys)
     tokens = array(TOKEN_TYPECODE, token_ids).tobytes()
     width = block_size * 4
     keys: list[bytes] = []
@@ -40,6 +40,11 @@ def chain_keys(
         parent = hashlib.sha256(parent + tokens[start : start + width] + extra).digest()
         keys.append(parent)
     return keys
+
+
+def _delimited(part: bytes) -> bytes:
+    """A part with its length in front: two different lists of extra keys never hash alike."""
+    return len(part).to_bytes(4, "big") + part
 
 
 def precomputed_keys(hashes: Iterable[bytes | int], group: int | None = None) -> list[bytes]:

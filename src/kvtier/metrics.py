@@ -45,6 +45,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("admission_rejects", "counter", "Blocks refused by a tier's admission rule", ("tier", "reason")),
     Family("stores_dropped", "counter", "Block stores dropped", ("reason",)),
     Family("integrity_failures", "counter", "Corrupt, torn or foreign blocks detected (served as misses)", ("tier",)),
+    Family("failed_deletes", "counter", "Deletes that failed: their files may be left, and stay counted", ("tier",)),
     Family("tier_used_bytes", "gauge", "Bytes held by a tier", ("tier",)),
     Family("tier_capacity_bytes", "gauge", "Configured bytes of a tier", ("tier",)),
     Family("tier_enabled", "gauge", "1 while a tier serves, 0 once the guard turned it off", ("tier",)),
@@ -147,6 +148,7 @@ class Metrics:
             "evictions": {f"{t}/{r}": n for (t, r), n in d.stats.evictions.items()},
             "admission_rejects": {f"{t}/{r}": n for (t, r), n in d.stats.admission_rejects.items()},
             "stores_dropped": dict(dropped),
+            "failed_deletes": dict(d.stats.failed_deletes),
             "orphan_blocks": d.orphans(),
             "orphan_blocks_by_tier": d.orphans_by_tier(),
         }
@@ -207,6 +209,7 @@ class _Collector:
         yield counter("lookup_tokens", snap["lookup_tokens"])
         yield counter("evictions", pairs(snap["evictions"]))
         yield counter("admission_rejects", pairs(snap["admission_rejects"]))
+        yield counter("failed_deletes", snap["failed_deletes"])
         tiers = snap["tiers"]
         yield gauge("tier_used_bytes", {t: v["used_bytes"] for t, v in tiers.items()})
         yield gauge("tier_capacity_bytes", {t: v["capacity_bytes"] for t, v in tiers.items()})

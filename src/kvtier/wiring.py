@@ -8,7 +8,7 @@ builds no host slab and no mover (it never touches bytes): it only scans the dis
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 from kvtier.config import KVTierConfig, RedisTierConfig
@@ -25,20 +25,35 @@ log = logging.getLogger(__name__)
 INTEGRITY_REASONS = ("corrupt", "foreign", "symlink")  # what a restart scan removes that counts as a failure
 
 
-def build_stores(config: KVTierConfig, payload_nbytes: int, namespace: str, rank: int = 0,
-                 world_size: int = 1) -> Stores:
-    """This rank's stores: its share of the host tier, its folder of each disk tier, its client of Redis."""
+def build_stores(config: KVTierConfig, payload_nbytes: int, namespace: str, rank: int, world_size: int,
+                 owner: str) -> Stores:
+    """This rank's stores: its share of the host tier, its folder of each disk tier, its client of Redis.
+    `owner` names the engine: its disk tiers' roots are claimed for it (one engine per root_dir)."""
     slab = HostSlab(host_slots(config, payload_nbytes, world_size), payload_nbytes)
-    stores = Stores(HOST, slab, disk_stores(config, payload_nbytes, namespace, rank))
+    try:
+        local = disk_stores(config, payload_nbytes, namespace, rank, owner)
+    except BaseException:
+        slab.close()
+        raise
+    stores = Stores(HOST, slab, local)
     shared = shared_tier(config)
     if shared is not None:
         stores.shared[shared[0]] = redis_store(shared[1], namespace, payload_nbytes)
     return stores
 
 
-def disk_stores(config: KVTierConfig, payload_nbytes: int, namespace: str, rank: int = 0) -> dict[str, LocalStore]:
-    return {name: DiskStore(tier.root_dir, namespace, rank, payload_nbytes, o_direct=tier.o_direct)
-            for name, tier in local_tiers(config)}
+def disk_stores(config: KVTierConfig, payload_nbytes: int, namespace: str, rank: int,
+                owner: str) -> dict[str, LocalStore]:
+    stores: dict[str, LocalStore] = {}
+    try:
+        for name, tier in local_tiers(config):
+            stores[name] = DiskStore(tier.root_dir, namespace, rank, payload_nbytes, o_direct=tier.o_direct,
+                                     owner=owner)
+    except BaseException:  # a root another engine holds: give back what was claimed
+        for store in stores.values():
+            store.close()
+        raise
+    return stores
 
 
 def redis_store(tier: RedisTierConfig, namespace: str, payload_nbytes: int) -> SharedStore:
@@ -68,21 +83,42 @@ def build_mover(config: KVTierConfig, stores: Stores, report: Reporter, metrics:
     )  # fmt: skip
 
 
-def recover(directory: Directory, disks: Mapping[str, LocalStore], lock: AbstractContextManager | None = None,
+def recover(directory: Directory, ranks: Sequence[Mapping[str, LocalStore]], lock: AbstractContextManager | None = None,
             integrity_failures: Callable[[str, int], None] | None = None) -> None:
-    """A restart takes back every valid block the disk tiers still hold (headers only: no payload is read);
-    the scan has removed torn, foreign and temp files, and what the directory does not adopt is deleted."""
+    """A restart takes back every valid block the disk tiers still hold (headers only: no payload is read).
+
+    `ranks[r]` are rank r's disk stores by tier name: one directory serves all ranks, so a block comes back only
+    if every rank has its shard (with the same parent); the other ranks' shards of it are deleted. The scans
+    have removed torn, foreign and temp files; what the directory does not adopt is deleted on every rank.
+    """
     lock = lock or nullcontext()
-    for name, store in disks.items():
-        found, removed = store.scan()
-        bad = sum(removed.get(reason, 0) for reason in INTEGRITY_REASONS)
+    for name in ranks[0]:
+        scans = [stores[name].scan() for stores in ranks]
+        bad = sum(removed.get(reason, 0) for _, removed in scans for reason in INTEGRITY_REASONS)
         if bad and integrity_failures is not None:
             integrity_failures(name, bad)
+        found = [{b.key: b.parent for b in blocks} for blocks, _ in scans]
+        whole = [b for b in scans[0][0] if all(shards.get(b.key, b"") == b.parent for shards in found[1:])]
+        kept = {b.key for b in whole}
+        for stores, shards in zip(ranks, found):
+            for key in shards.keys() - kept:  # a block some rank lacks: no rank can serve it
+                _delete(stores[name], key)
         with lock:
-            deletes = directory.adopt(name, [(b.key, b.parent) for b in found])
+            deletes = directory.adopt(name, [(b.key, b.parent) for b in whole])
         for step in deletes:
-            store.delete(step.key)
+            ok = all([_delete(stores[step.src], step.key) for stores in ranks])
             with lock:
-                directory.complete(step, Status.OK)
-        if found or any(removed.values()):
-            log.info("kvtier: %s tier recovered %d blocks, removed %s", name, len(found), removed)
+                directory.complete(step, Status.OK if ok else Status.FAILED)
+        if any(blocks or any(removed.values()) for blocks, removed in scans):
+            log.info("kvtier: %s tier recovered %d blocks on %d rank(s), removed %s", name,
+                     directory.tier[name].used_blocks, len(ranks), [removed for _, removed in scans])
+
+
+def _delete(store: LocalStore, key: bytes) -> bool:
+    """A restart's delete; one that fails leaves its file, which the directory keeps counting."""
+    try:
+        store.delete(key)
+        return True
+    except OSError as exc:
+        log.warning("kvtier: could not delete a block file at restart: %s", exc)
+        return False

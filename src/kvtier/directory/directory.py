@@ -60,12 +60,13 @@ class Directory(SharedTierPlans):
 
     # ---------------------------------------------------------------- loads
 
-    def plan_load(self, keys: Sequence[bytes], shared_end: int = 0) -> Plan:
+    def plan_load(self, keys: Sequence[bytes], shared_end: int = 0, parent: bytes | None = None) -> Plan:
         """Pin the readable prefix and plan its way to the caller; blocks in slower tiers are staged in the first.
 
         `shared_end`: the shared tier holds `keys[:shared_end]` beyond the local prefix (the caller asked it,
         outside the directory); those blocks are fetched through the first tier after the local prefix, as far
-        as room allows. A stale answer costs a failed fetch (a miss), never a wrong block.
+        as room allows. A stale answer costs a failed fetch (a miss), never a wrong block. `parent`: the key
+        before `keys[0]`, when the caller holds a prefix of the chain itself.
         """
         sources = self.lookup(keys)
         first = self.tiers[0]
@@ -91,11 +92,13 @@ class Directory(SharedTierPlans):
             slot, chain = room
             self._stage(block, source, block.copies[source].slot, slot, chain, i, plan)
             promoted.append(block)
-        fetched = self._plan_fetch(plan, keys, shared_end) if whole else []
-        for block in promoted:
-            first.policy.insert(block.key, block.priority)
-        for block in reversed(fetched):  # leaf first: ancestors end up more recent than descendants
-            first.policy.insert(block.key, block.priority)
+        fetched = self._plan_fetch(plan, keys, shared_end, parent) if whole else []
+        # Making room may have evicted an ancestor the load does not pin (the engine's own hit), dropping blocks
+        # of this load with it: they are still served to this request (pinned), but retire after it and never
+        # enter a policy. Fetched blocks go in leaf first: ancestors end up more recent than descendants.
+        for block in [*promoted, *reversed(fetched)]:
+            if not block.retiring:
+                first.policy.insert(block.key, block.priority)
         self._touch_chain([self._blocks[k] for k in plan.keys if k in self._blocks])
         return plan
 
@@ -203,7 +206,7 @@ class Directory(SharedTierPlans):
     def complete(self, step: Step, status: Status) -> None:
         """The mover finished `step`. Only now does a copy become readable or a slot reusable."""
         if step.op is Op.DELETE:
-            self._delete_done(step)
+            self._delete_done(step, ok=status is Status.OK)
             return
         if self._shared_step_done(step):
             return
@@ -234,8 +237,9 @@ class Directory(SharedTierPlans):
     # ---------------------------------------------------------------- restart recovery
 
     def adopt(self, tier_name: str, blocks: Iterable[tuple[bytes, bytes | None]]) -> list[Step]:
-        """Take back blocks a restart found in a persistent tier (oldest first). Returns deletes for the rest:
-        orphans, blocks the directory already has there, and whatever exceeds the tier's capacity."""
+        """Take back blocks a restart found in a persistent tier (oldest first). Returns deletes (and nothing
+        else) for the rest: orphans, and whatever exceeds the tier's capacity (dropped, not demoted: nothing
+        runs the copies of a restart). Blocks the directory already has there are skipped."""
         tier = self.tier[tier_name]
         deletes: list[Step] = []
         found = list(blocks)
@@ -263,5 +267,9 @@ class Directory(SharedTierPlans):
             victim = self._pick_victim(tier, None)
             if victim is None:
                 break
-            self._evict(tier, victim, deletes, reason="capacity")
+            self._evict(tier, victim, deletes, reason="capacity", demote=False)
+        for step in deletes:  # no write follows these: their files count until they are really gone
+            if step.src == tier_name and step.id not in self._accounted:
+                self._accounted.add(step.id)
+                tier.used_blocks += 1
         return deletes + self.take_garbage()

@@ -57,26 +57,31 @@ class SharedTierPlans(BlockTable):
         self.stats.planned_moves[(first.name, shared.name)] += 1
         return True
 
-    def _plan_fetch(self, plan: Plan, keys: Sequence[bytes], shared_end: int) -> list[Block]:
-        """Extend a load past its local prefix with blocks fetched from the shared tier into the first tier."""
+    def _plan_fetch(self, plan: Plan, keys: Sequence[bytes], shared_end: int, parent: bytes | None) -> list[Block]:
+        """Extend a load past its local prefix with blocks fetched from the shared tier into the first tier.
+
+        `parent` is the key before `keys[0]` (the caller's own prefix), if any. A fetched block whose parent is
+        in no tier of ours (the engine holds it, we do not) is served to this request but not kept: kept, it
+        would be an orphan. It retires once the load is done."""
         shared, first = self.shared, self.tiers[0]
         fetched: list[Block] = []
         if shared is None:
             return fetched
         for i in range(len(plan.keys), min(shared_end, len(keys))):
             key = keys[i]
-            parent = keys[i - 1] if i else None
+            parent = keys[i - 1] if i else parent
             if key in self._blocks or key in self._retiring:  # here, but not readable: a transfer is on it
                 break
             room = self._room(first, key, plan)
             if room is None:
                 break
             slot, chain = room
-            if parent is not None and parent not in self._blocks:  # never: the parent is pinned by this load
-                self._give_back(first, slot, chain, plan)
-                break
             block = Block(key, parent, DEFAULT_PRIORITY, seen=self._sightings.pop(key, 0) + 1, pins=1)
-            self._link(block)
+            if parent is None or parent in self._blocks:
+                self._link(block)
+            else:  # the engine's prefix, or a block making room just dropped: this request's only
+                block.retiring = True
+                self._retiring[key] = block
             self._stage(block, shared.name, None, slot, chain, i, plan)
             plan.keys.append(key)
             plan.sources.append(shared.name)

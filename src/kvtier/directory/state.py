@@ -116,6 +116,7 @@ class DirectoryStats:
     admission_rejects: Counter = field(default_factory=Counter)  # (tier, reason)
     stores_dropped: Counter = field(default_factory=Counter)  # reason
     planned_moves: Counter = field(default_factory=Counter)  # (src, dst)
+    failed_deletes: Counter = field(default_factory=Counter)  # tier: files that may be left, still counted
 
 
 class NoRoom(Exception):

@@ -41,6 +41,7 @@ class BlockTable:
         # bookkeeping by step id, until the step completes
         self._holding: set[int] = set()  # the step reads a copy it holds (one of its readers)
         self._accounted: set[int] = set()  # a delete whose bytes still count against its tier
+        self._owed: Counter[str] = Counter()  # tier -> files a failed delete left, counted by the next lost copy
 
     # ---------------------------------------------------------------- lookups
 
@@ -129,15 +130,21 @@ class BlockTable:
             self._accounted.add(step.id)
         return step
 
-    def _delete_done(self, step: Step) -> None:
-        """A delete ran (or failed): its key may be written again, and its bytes stop counting."""
+    def _delete_done(self, step: Step, ok: bool) -> None:
+        """A delete ran: its key may be written again, and its bytes stop counting. One that failed may have
+        left its file: its bytes stay counted (the next restart's scan finds the file and takes it back)."""
         if self._deleting[(step.src, step.key)] > 1:
             self._deleting[(step.src, step.key)] -= 1
         else:
             self._deleting.pop((step.src, step.key), None)
-        if step.id in self._accounted:
-            self._accounted.discard(step.id)
+        accounted = step.id in self._accounted
+        self._accounted.discard(step.id)
+        if ok and accounted:
             self.tier[step.src].used_blocks -= 1
+        elif not ok:
+            self.stats.failed_deletes[step.src] += 1
+            if not accounted:  # its bytes went to the write after it in the chain, which the mover now skips:
+                self._owed[step.src] += 1  # that write's count stays, for this file (see `_remove_copy`)
 
     # ---------------------------------------------------------------- room
 
@@ -215,13 +222,14 @@ class BlockTable:
                 break
         return fallback
 
-    def _evict(self, tier: Tier, block: Block, chain: list[Step], reason: str) -> None:
-        """Take `block` out of `tier`: demote it to the next tier if admitted, else drop it (and its orphans)."""
+    def _evict(self, tier: Tier, block: Block, chain: list[Step], reason: str, demote: bool = True) -> None:
+        """Take `block` out of `tier`: demote it to the next tier if admitted (and `demote`), else drop it (and
+        its orphans)."""
         copy = block.copies.pop(tier.name)
         tier.policy.evicted(block.key)
         self.stats.evictions[(tier.name, reason)] += 1
         lower = self.tiers[tier.index + 1 :]
-        if lower and not any(t.name in block.copies for t in lower):
+        if demote and lower and not any(t.name in block.copies for t in lower):
             self._copy_down(block, tier, lower[0], chain, src_slot=copy.slot)
         if tier.spec.slotted:
             tier.free_slots.append(copy.slot)
@@ -322,6 +330,8 @@ class BlockTable:
         if tier.spec.slotted:
             tier.free_slots.append(copy.slot)
             tier.used_blocks -= 1
+        elif already_deleted and self._owed[tier.name]:  # its count goes to a file a failed delete left
+            self._owed[tier.name] -= 1
         elif already_deleted:
             tier.used_blocks -= 1
         else:  # the bytes stay counted until the file (or shared key) is really gone

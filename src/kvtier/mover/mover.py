@@ -192,7 +192,8 @@ class Mover:
         try:
             handler.run_many(steps, io)
             status = Status.OK
-        except (RuntimeError, ValueError):
+        except Exception:
+            log.exception("kvtier: a batch of %d %s steps failed", len(steps), steps[0].op.value)
             status = Status.FAILED
         if status is Status.OK:
             each = (time.perf_counter() - start) / len(steps)
@@ -210,8 +211,9 @@ class Mover:
     ) -> None:
         if failed is None:
             failed = set()  # keys whose bytes did not arrive where later steps of the chain read them
+        full: set[str] = set()  # tiers where a delete that made room for a later step of the chain failed
         for step in chain:
-            if step.needs_prev and step.key in failed:
+            if (step.needs_prev and step.key in failed) or step.dst in full:
                 status = Status.FAILED
             else:
                 start = time.perf_counter()
@@ -220,14 +222,22 @@ class Mover:
                     self.metrics.observe_move(step.src, step.dst, nbytes, time.perf_counter() - start)
                 if status is Status.OK and step.op is Op.GET and delivered is not None:
                     delivered[step.index] = True
-            if status is not Status.OK and step.op is not Op.DELETE:
-                failed.add(step.key)
+            if status is not Status.OK:
+                if step.op is Op.DELETE:
+                    full.add(step.src)
+                else:
+                    failed.add(step.key)
             self.report((step,), status)
 
     def _run_step(self, step: Step, io: CallerIO) -> tuple[Status, int]:
+        """Any failure is the step's status, never an exception: the chain goes on (skipping what needed
+        this step), every step is reported, and nothing waits for a report that never comes."""
         try:
             return self._handlers[(step.src, step.dst)].run(step, io)
         except OSError:
+            return Status.FAILED, 0
+        except Exception:  # a bug, not an I/O error: loud, but still only this step's failure
+            log.exception("kvtier: %s %s->%s failed", step.op.value, step.src, step.dst)
             return Status.FAILED, 0
 
     def _track(self, future: Future) -> None:

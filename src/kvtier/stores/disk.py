@@ -30,6 +30,7 @@ from kvtier.layout import ALIGN, DISK_HEADER_NBYTES, disk_footprint, round_up
 from kvtier.stores import blockformat
 from kvtier.stores.base import ReadStatus, RecoveredBlock
 from kvtier.stores.blockformat import Header, check_key, parse_header
+from kvtier.stores.claim import claim, release
 
 HEADER_NBYTES = DISK_HEADER_NBYTES  # blockformat's header, zero-padded to the O_DIRECT alignment
 _LONG_KEY = 96  # longer keys get a hashed file name: 2 * 128 hex chars would pass NAME_MAX (255)
@@ -85,8 +86,11 @@ class DiskStore:
     """Blocks of one namespace and rank as files under `root_dir`; safe to drive from many threads."""
 
     def __init__(
-        self, root_dir: str | Path, namespace: str, rank: int, payload_nbytes: int, o_direct: bool = True
+        self, root_dir: str | Path, namespace: str, rank: int, payload_nbytes: int, o_direct: bool = True,
+        owner: str | None = None,
     ) -> None:
+        """`owner`: the engine this store works for; given, the store claims `root_dir` for it (one engine per
+        root: `kvtier.stores.claim`) until `close`."""
         if not re.fullmatch(r"[0-9a-f]{32}", namespace):
             raise ValueError(f"namespace must be 32 lowercase hex chars (Namespace.digest()), got {namespace!r}")
         if rank < 0 or payload_nbytes <= 0:
@@ -99,6 +103,17 @@ class DiskStore:
         self._local = threading.local()
         self.dir = self.root / namespace / str(rank)
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._owner = owner
+        if owner is not None:
+            claim(self.root, owner)  # before touching anything below the root
+        try:
+            self._dir_fd: int | None = self._open_dir(namespace, rank)
+        except BaseException:
+            if owner is not None:
+                release(self.root, owner)
+            raise
+
+    def _open_dir(self, namespace: str, rank: int) -> int:
         fd = os.open(self.root, _DIR)
         for part in (namespace, str(rank)):  # O_NOFOLLOW: a link in place of our directory is refused
             with contextlib.suppress(FileExistsError):
@@ -108,7 +123,7 @@ class DiskStore:
             finally:
                 os.close(fd)
             fd = part_fd
-        self._dir_fd: int | None = fd
+        return fd
 
     @property
     def footprint(self) -> int:
@@ -116,10 +131,12 @@ class DiskStore:
         return disk_footprint(self.payload_nbytes)
 
     def close(self) -> None:
-        """Release the directory fd; the files stay for the next start's scan()."""
+        """Release the directory fd and the claim; the files stay for the next start's scan()."""
         fd, self._dir_fd = self._dir_fd, None
         if fd is not None:
             os.close(fd)
+            if self._owner is not None:
+                release(self.root, self._owner)
 
     # -- per-thread aligned buffers (mmap is page-aligned) -----------------------------------------------
 

@@ -70,7 +70,8 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._scheduler.build_connector_meta(idle=scheduler_output.total_num_scheduled_tokens == 0)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
+        self._scheduler.update_connector_output(connector_output.kv_connector_worker_meta,
+                                                connector_output.finished_recving)
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()

@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvtier.config import KVTierConfig
-from kvtier.directory import Directory, Op, Plan, Step
+from kvtier.directory import Directory, Op, Plan, Status, Step
 from kvtier.integrations.vllm.messages import (
     EngineBlocks,
     KVTierMetadata,
     KVTierWorkerMetadata,
     LoadJob,
     StoreJob,
+    worst,
 )
 from kvtier.integrations.vllm.setup import Geometry
 from kvtier.integrations.vllm.stats import Deltas, add_breaker
@@ -51,7 +52,9 @@ class _Pending:
     plan: Plan
     steps: dict[int, Step]
     kind: str  # "load" | "store" | "delete"
+    request_id: str  # the request a load or store is for
     reports: Counter = field(default_factory=Counter)  # step id -> ranks that reported it
+    statuses: dict[int, Status] = field(default_factory=dict)  # step id -> the worst status a rank reported
 
 
 class _Lookup(NamedTuple):
@@ -77,6 +80,8 @@ class SchedulerSide:
         self._pending: dict[int, _Pending] = {}  # plan id (its first step id) -> pending plan
         self._plan_of_step: dict[int, int] = {}
         self._lookups: dict[str, _Lookup] = {}  # request id -> what was promised to it
+        self._loading: dict[str, bool] = {}  # request id -> its load is synchronous; until vLLM has its result
+        self._settling: set[str] = set()  # synchronous loads with no step: vLLM has their result after this step
         self._loads: list[LoadJob] = []
         self._stores: list[StoreJob] = []
         self._deletes: list[Step] = []
@@ -133,15 +138,18 @@ class SchedulerSide:
         return (request.num_tokens - 1) // ebs * ebs
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        if num_external_tokens <= 0 or request.request_id not in self._lookups:
+        promise = self._lookups.pop(request.request_id, None)
+        if num_external_tokens <= 0 or promise is None:  # vLLM may take none of it (e.g. it skips prefix reads)
             return
         # vLLM has not updated request.num_computed_tokens yet (and after a failed load it is stale): the local
         # hit it told us in get_num_new_matched_tokens is the truth about which engine blocks it already holds.
-        first, promised, end, local, fetch, sync = self._lookups.pop(request.request_id)
-        keys = self._keys(request)[first : first + promised]
+        first, promised, end, local, fetch, sync = promise
+        all_keys = self._keys(request)
+        keys = all_keys[first : first + promised]
         engine_ids = blocks.get_block_ids()[0]
         skip = local // self.geo.engine_block_size  # engine blocks vLLM already has
-        plan = self.directory.plan_load(keys, shared_end=len(keys) if fetch else 0)
+        plan = self.directory.plan_load(keys, shared_end=len(keys) if fetch else 0,
+                                        parent=all_keys[first - 1] if first else None)
         self.directory.record_lookup(plan.sources, len(keys))
         for i, source in enumerate(plan.sources):  # tokens each tier really serves to this request
             lo = max((first + i) * self.geo.block_tokens, local)
@@ -150,12 +158,20 @@ class SchedulerSide:
         unavailable = [b for t in targets[len(plan.keys) :] for b in t if b is not None]
         if unavailable:  # fewer blocks stageable than promised: vLLM recomputes those
             self.stats["load_shortfall_blocks"] += len(keys) - len(plan.keys)
-        self._ship(plan, "load")
+        self._loading[request.request_id] = sync
+        if sync and not plan.steps:  # nothing to run: vLLM learns of the shortfall from this step's output
+            self._settling.add(request.request_id)
+        self._ship(plan, "load", request.request_id)
         self._loads.append(LoadJob(request.request_id, plan.chains, targets[: len(plan.keys)], unavailable, sync))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Store the request's computed full blocks; hold its engine blocks until the workers copied them."""
         self._asked.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        if request.request_id in self._loading:
+            # Finished (aborted) before vLLM learnt how its load ended: num_computed_tokens still counts the
+            # promise, blocks that never arrive included. vLLM frees its blocks once the load is reported.
+            return False, None
         computed = min(request.num_computed_tokens, len(request.block_hashes) * self.geo.engine_block_size)
         keys = self._keys(request)[: computed // self.geo.block_tokens]
         if not keys:
@@ -183,6 +199,7 @@ class SchedulerSide:
                 "evictions": self._deltas.take("evictions", d.stats.evictions),
                 "admission_rejects": self._deltas.take("admission_rejects", d.stats.admission_rejects),
                 "stores_dropped": self._deltas.take("stores_dropped", d.stats.stores_dropped + self._dropped),
+                "failed_deletes": self._deltas.take("failed_deletes", d.stats.failed_deletes),
             },
             "gauges": {
                 "tier_used_bytes": {name: u.used_bytes for name, u in usage.items()},
@@ -209,7 +226,11 @@ class SchedulerSide:
         self._loads, self._stores, self._deletes = [], [], []
         return meta
 
-    def update_connector_output(self, worker_meta: KVTierWorkerMetadata | None) -> None:
+    def update_connector_output(self, worker_meta: KVTierWorkerMetadata | None,
+                                finished_recving: set[str] | None = None) -> None:
+        for request_id in (finished_recving or set()) | self._settling:  # the load's errors came with it
+            self._loading.pop(request_id, None)
+        self._settling.clear()
         if worker_meta is None:
             return
         for step_id, (status, reports) in worker_meta.completions.items():
@@ -218,14 +239,17 @@ class SchedulerSide:
                 continue
             pending = self._pending[plan_id]
             pending.reports[step_id] += reports
+            pending.statuses[step_id] = worst(pending.statuses.get(step_id, Status.OK), status)
             if pending.reports[step_id] < self.geo.world_size:
-                continue
-            self.directory.complete(pending.steps.pop(step_id), status)
+                continue  # a block is only whole once every rank has its shard: the worst status counts
+            self.directory.complete(pending.steps.pop(step_id), pending.statuses.pop(step_id))
             del self._plan_of_step[step_id]
             if not pending.steps:
                 del self._pending[plan_id]
                 if pending.kind == "load":
                     self.directory.finish_load(pending.plan)
+                    if self._loading.get(pending.request_id):  # synchronous: its errors came in this step
+                        del self._loading[pending.request_id]
                 elif pending.kind == "store":
                     self._stores_in_flight -= 1
         self._collect_garbage()
@@ -244,7 +268,7 @@ class SchedulerSide:
         stop = end_token // self.geo.engine_block_size
         return [engine_ids[j] if skip <= j < stop else None for j in range(start, start + per)]
 
-    def _ship(self, plan: Plan, kind: str) -> None:
+    def _ship(self, plan: Plan, kind: str, request_id: str = "") -> None:
         """Wait for the workers to report each of the plan's steps (by the id the directory gave it)."""
         steps = {step.id: step for chain in plan.chains for step in chain}
         if not steps:
@@ -252,7 +276,7 @@ class SchedulerSide:
                 self.directory.finish_load(plan)
             return
         plan_id = min(steps)
-        self._pending[plan_id] = _Pending(plan, steps, kind)
+        self._pending[plan_id] = _Pending(plan, steps, kind, request_id)
         for step_id in steps:
             self._plan_of_step[step_id] = plan_id
         if kind == "store":
@@ -270,10 +294,13 @@ class SchedulerSide:
         return None if found is None else redis_store(found[1], self.geo.namespace(rank=0), self.geo.block_nbytes)
 
     def _recover(self) -> None:
-        """A restart takes back what the disk tier of rank 0 holds (headers only: metadata, no payloads)."""
-        disks = disk_stores(self.config, self.geo.block_nbytes, self.geo.namespace(rank=0), rank=0)
+        """A restart takes back what the disk tiers of every rank hold (headers only: metadata, no payloads)."""
+        owner = self.geo.owner
+        ranks = [disk_stores(self.config, self.geo.block_nbytes, self.geo.namespace(rank), rank, owner)
+                 for rank in range(self.geo.world_size)]
         try:
-            recover(self.directory, disks)
+            recover(self.directory, ranks)
         finally:
-            for store in disks.values():
-                store.close()
+            for disks in ranks:
+                for store in disks.values():
+                    store.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,12 @@ class Geometry:
     kv_layout: str
     hash_algo: str
     tenant_salt: str
+    engine_id: str = ""  # vLLM's instance id: every process of one engine knows it (it owns the disk tiers)
+
+    @property
+    def owner(self) -> str:
+        """Whom this engine's disk tiers are claimed for; a fresh token where vLLM gave no instance id."""
+        return f"vllm-{self.engine_id}" if self.engine_id else f"vllm-{uuid.uuid4().hex}"
 
     @property
     def engine_blocks_per_block(self) -> int:
@@ -66,4 +73,5 @@ def geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KV
         kv_layout=str(kv_cache_config.kv_cache_layout or type(spec).__name__),
         hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
         tenant_salt=config.tenant_salt,
+        engine_id=str(getattr(vllm_config, "instance_id", "") or ""),
     )

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -63,6 +64,8 @@ class WorkerSide:
         self._puts_left: dict[str, set[int]] = {}  # request id -> PUT steps still copying its engine blocks
         # vLLM's CPU backend binds its compute threads to cores; ours may run on any core of the machine
         self._cpus = set(range(os.cpu_count() or 1))
+        self._loading = ThreadPoolExecutor(2, thread_name_prefix="kvtier-load",  # asynchronous loads
+                                           initializer=lambda: os.sched_setaffinity(0, self._cpus))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         self.pages = engine_pages(kv_caches, num_blocks)
@@ -71,7 +74,7 @@ class WorkerSide:
             raise ValueError(f"kvtier: engine block is {found} B in the KV tensors, {self.geo.engine_block_nbytes} B"
                              " by the KV-cache config")
         self.stores = build_stores(self.config, self.geo.block_nbytes, self.geo.namespace(self.rank), self.rank,
-                                   self.geo.world_size)
+                                   self.geo.world_size, self.geo.owner)
         self.metrics.shared.update(self.stores.shared)
         self.mover = build_mover(self.config, self.stores, self._report, self.metrics, cpus=self._cpus)
 
@@ -100,12 +103,24 @@ class WorkerSide:
         self.mover.store(Plan(chains=job.chains), blocks)
 
     def _load(self, job: LoadJob) -> None:
-        """Run in the engine's thread, waiting on the mover's read pool: a waiting thread lets the readers
-        run, where a background orchestrator would ping-pong the GIL with the engine's busy step loop."""
-        out = [self._parts(t) for t in job.targets]
-        delivered = self.mover.load(Plan(chains=job.chains), out) if job.chains else []
+        """A synchronous load (host hits) runs here, in the engine's thread, before the forward that needs it. An
+        asynchronous one (a slower tier) runs in the background: vLLM goes on stepping the other requests and
+        waits for this one to be reported in `get_finished`, so a slow disk stalls only the request it serves."""
+        if job.sync:
+            self._run_load(job)
+        else:
+            self._loading.submit(self._run_load, job)
+
+    def _run_load(self, job: LoadJob) -> None:
+        assert self.mover is not None
+        try:
+            out = [self._parts(t) for t in job.targets]
+            delivered = self.mover.load(Plan(chains=job.chains), out) if job.chains else []
+        except Exception:  # nothing may stay unreported: vLLM would wait for this request forever
+            log.exception("kvtier: a load for request %s failed", job.request_id)
+            delivered = [False] * len(job.targets)
         failed = {b for t, ok in zip(job.targets, delivered) if not ok for b in t if b is not None}
-        with self._lock:
+        with self._lock:  # errors before the request is reported: vLLM reads them after get_finished
             self._load_errors |= failed | set(job.unavailable)
             if not job.sync:  # vLLM waits for an asynchronous load to be reported; a synchronous one it ran
                 self._recving.add(job.request_id)
@@ -176,6 +191,7 @@ class WorkerSide:
         return payload
 
     def shutdown(self) -> None:
+        self._loading.shutdown(wait=True)
         if self.mover is not None:
             self.mover.close()
         if self.stores is not None:

@@ -1,0 +1,428 @@
+"""One regression test per confirmed defect of the audit (`../shared/repro/expN_*.py`, written against f9cb4a7).
+
+Each drives kvtier's own code in the order vLLM or a user would, as its script does, and asserts the right
+outcome where the script printed the wrong one. The connector's halves run in-process on real stores.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvtier.admission import AdmissionRule
+from kvtier.cache import TieredCache
+from kvtier.config import ConfigError, parse_config
+from kvtier.directory import Directory, Op, State, Status, TierSpec
+from kvtier.integrations.vllm.messages import KVTierWorkerMetadata
+from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.setup import Geometry
+from kvtier.integrations.vllm.worker import WorkerSide
+from kvtier.keys import chain_keys
+from kvtier.sim.replay import complete_instantly
+from kvtier.stores.base import TierKind
+from kvtier.stores.disk import DiskStore
+from kvtier.stores.redis import RedisStore
+
+SHAPE, DT, P = (4, 1024), torch.uint8, 4096  # one block: 4 KiB of uint8
+
+
+def geometry(world_size: int = 1) -> Geometry:
+    return Geometry(engine_block_size=16, block_tokens=16, engine_block_nbytes=P, world_size=world_size,
+                    model="m", dtype="bf16", kv_layout="x", hash_algo="sha256", tenant_salt="")
+
+
+def request(rid: str, hashes: list[bytes], computed: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, num_computed_tokens=computed, num_tokens=16 * len(hashes) + 1,
+                           block_hashes=hashes)
+
+
+def engine_blocks(ids: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(get_block_ids=lambda: (ids,))
+
+
+class Engine:
+    """The connector's two halves wired in-process (world size 1), stepped in vLLM's order."""
+
+    def __init__(self, config, num_blocks: int = 32) -> None:
+        self.scheduler = SchedulerSide(config, geometry())
+        self.worker = WorkerSide(config, geometry(), 0)
+        self.kv = torch.zeros(num_blocks, P, dtype=torch.uint8)
+        self.worker.register_kv_caches({"layer0": self.kv}, num_blocks)
+
+    def step(self) -> tuple[set[str] | None, set[str] | None]:
+        meta = self.scheduler.build_connector_meta(idle=False)
+        self.worker.start(meta)
+        self.worker.mover.flush()
+        finished = self.worker.get_finished(set())
+        self.scheduler.update_connector_output(self.worker.worker_meta())
+        return finished
+
+    def drain(self, steps: int = 20) -> None:
+        for _ in range(steps):
+            self.step()
+            if not self.scheduler.has_pending_work():
+                return
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.worker.shutdown()
+
+
+# ---------------------------------------------------------------- keys and config
+
+
+def test_extra_keys_are_delimited_so_different_lists_never_share_a_key():
+    """exp12: extra keys were concatenated without a separator."""
+    tokens = list(range(16))
+    assert chain_keys(tokens, 16, extra_keys=["tenant-a", "lora:x"]) != chain_keys(
+        tokens, 16, extra_keys=["tenant-al", "ora:x"])
+    assert chain_keys(tokens, 16, extra_keys=["salt1"]) != chain_keys(tokens, 16, extra_keys=["salt", "1"])
+    assert chain_keys(tokens, 16, extra_keys=["salt"]) == chain_keys(tokens, 16, extra_keys=[b"salt"])
+
+
+@pytest.mark.parametrize("url, secret", [
+    ("redis://user:s3cr/et@redis.example:6379/0", "s3cr"),
+    ("redis://user:p@ss@redis.example:bad/0", "p@ss"),
+    ("redis://:hunter2@/0", "hunter2"),
+])
+def test_a_bad_redis_url_never_shows_its_password(url, secret):
+    """exp6: the scrub missed passwords containing / or @."""
+    with pytest.raises(ConfigError) as err:
+        parse_config({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{"type": "redis", "url": url,
+                                                                         "max_bytes": 1 << 20}]})
+    assert "secondary_tiers[0].url" in str(err.value)
+    assert secret not in str(err.value) and "***" in str(err.value)
+
+
+# ---------------------------------------------------------------- the directory
+
+
+def test_a_promoted_block_dropped_while_making_room_never_enters_a_policy():
+    """exp11: plan_load inserted a block into the host policy although making room had dropped it; the next
+    plan_store raised KeyError (in vLLM, the scheduler died)."""
+    d = Directory([TierSpec("host", 2, 1, kind=TierKind.HOST),
+                   TierSpec("disk", 100, 1, admission=AdmissionRule(max_bytes_per_s=1))], clock=lambda: 0.0)
+    complete_instantly(d, d.plan_store([b"A", b"B"]))
+    complete_instantly(d, d.plan_store([b"X"]))  # B (the LRU leaf) is demoted: the budget allows one write
+    assert d.residency(b"B") == {"disk": d.residency(b"B")["disk"]}
+    d.plan_load([b"X"])  # a load of X in flight: X is pinned
+    load_b = d.plan_load([b"B"])  # its parent A is the engine's own hit; making room evicts A, dropping B
+    assert b"B" not in d.tier["host"].policy
+    complete_instantly(d, load_b)
+    d.finish_load(load_b)
+    complete_instantly(d, d.plan_store([b"Y"]))  # raised KeyError
+    assert d.orphans() == 0
+
+
+# ---------------------------------------------------------------- the mover
+
+
+def two_disk_config(tmp_path, disk_blocks: int = 2, disk1_blocks: int = 8):
+    return parse_config({"cpu_bytes_to_use": 2 * P, "block_size": 16, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(tmp_path / "d0"), "max_bytes": disk_blocks * (P + 4096)},
+        {"type": "fs", "root_dir": str(tmp_path / "d1"), "max_bytes": disk1_blocks * (P + 4096)}]})
+
+
+def test_a_second_fs_tier_takes_demotions_and_serves_them_exactly(tmp_path):
+    """exp8: two fs tiers were accepted, but the first disk->disk1 demotion crashed (no path)."""
+    blocks = [torch.full(SHAPE, i, dtype=DT) for i in range(6)]
+    with TieredCache(two_disk_config(tmp_path), SHAPE, DT) as cache:
+        for i, block in enumerate(blocks):
+            assert cache.store([b"k%d" % i], [block]) == 1
+            cache.flush()
+        assert "disk1" in cache.directory.residency(b"k0")
+        assert cache.snapshot()["moves"]["disk->disk1"] >= 1
+        got = cache.load([b"k0"])
+        assert len(got) == 1 and torch.equal(got[0], blocks[0])
+
+
+def test_an_exception_in_a_mover_thread_fails_its_step_and_leaks_nothing(tmp_path):
+    """exp2: a non-OSError in a mover chain abandoned the chain unreported: a copy stayed WRITING forever."""
+    config = parse_config({"cpu_bytes_to_use": 2 * P, "block_size": 16, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 8 * (P + 4096)}]})
+    with TieredCache(config, SHAPE, DT) as cache:
+        real_write = DiskStore.write
+
+        def failing_write(store, key, parent, src):
+            if key == b"k0":
+                raise RuntimeError("injected: not an OSError")
+            return real_write(store, key, parent, src)
+
+        cache.stores["disk"].write = failing_write.__get__(cache.stores["disk"])  # type: ignore[method-assign]
+        blocks = [torch.full(SHAPE, i, dtype=DT) for i in range(8)]
+        for i, block in enumerate(blocks):
+            cache.store([b"k%d" % i], [block])
+            cache.flush()
+        d = cache.directory
+        assert not d._retiring and not d.pinned()
+        for key in list(d._blocks):  # every copy is READY: nothing is stuck WRITING, no slot held for it
+            assert set(d.residency(key).values()) == {State.READY}, key
+        assert d.tier["host"].used_blocks == len(d.keys_in("host")) == 2
+        assert b"k0" not in d  # its demotion failed: the block is gone, not half-written
+        got = cache.load([b"k7"])
+        assert len(got) == 1 and torch.equal(got[0], blocks[7])
+
+
+def test_a_failed_demotion_never_sends_other_bytes_through_to_the_shared_tier(tmp_path, redis_server):
+    """exp3, exp3b: the chain abandoned by an exception still ran its write-through, which sent whatever the
+    host slot held (another block's bytes) with a valid checksum: engine B loaded wrong KV."""
+    def config(disk: bool, host_blocks: int):
+        tiers = [{"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 8 * (P + 4096)}] if disk else []
+        tiers.append({"type": "redis", "url": redis_server.url, "max_bytes": 64 * (P + 600)})
+        return parse_config({"cpu_bytes_to_use": host_blocks * P, "block_size": 16, "secondary_tiers": tiers})
+
+    with TieredCache(config(True, 1), SHAPE, DT) as a, TieredCache(config(False, 4), SHAPE, DT) as b:
+        def failing_write(key, parent, src):
+            raise RuntimeError("injected: not an OSError")
+
+        a.stores["disk"].write = failing_write  # type: ignore[method-assign]
+        for i in range(3):  # each store evicts the one before: its demotion raises
+            a.store([b"k%d" % i], [torch.full(SHAPE, i + 1, dtype=DT)])
+            a.flush()
+        for i in range(3):
+            got = b.load([b"k%d" % i])
+            assert not got or torch.equal(got[0], torch.full(SHAPE, i + 1, dtype=DT)), f"k{i}: wrong bytes served"
+        assert any(b.load([b"k%d" % i]) for i in range(3)), "the write-throughs that could run did"
+
+
+def test_two_fs_tiers_through_the_connector_release_every_held_request(tmp_path):
+    """exp10: with two fs tiers, vLLM's blocks stayed held forever and has_pending_work stayed True."""
+    engine = Engine(two_disk_config(tmp_path, disk_blocks=1))
+    held: set[str] = set()
+    try:
+        for i in range(4):
+            engine.kv[i].fill_(i + 1)
+            holds, _ = engine.scheduler.request_finished(request(f"r{i}", [bytes([i + 1]) * 32], computed=16), [i])
+            if holds:
+                held.add(f"r{i}")
+            sending, _ = engine.step()
+            held -= sending or set()
+        for _ in range(20):
+            sending, _ = engine.step()
+            held -= sending or set()
+            if not held and not engine.scheduler.has_pending_work():
+                break
+            time.sleep(0.01)
+        assert not held and not engine.scheduler.has_pending_work()
+        assert "disk1" in engine.scheduler.directory.residency(bytes([1]) * 32 + b"\0\0")
+    finally:
+        engine.close()
+
+
+def test_keys_a_store_cannot_hold_are_refused_at_the_door(tmp_path):
+    """exp2's trigger: a key longer than the block header allows reached the disk store on demotion."""
+    with TieredCache(parse_config({"cpu_bytes_to_use": 2 * P, "block_size": 16}), SHAPE, DT) as cache:
+        with pytest.raises(ValueError, match="key"):
+            cache.store([b"L" * 200], [torch.zeros(SHAPE, dtype=DT)])
+
+
+# ---------------------------------------------------------------- the connector
+
+
+def test_a_rank_that_failed_a_step_is_never_outvoted_by_a_later_ok():
+    """exp1: with tensor parallelism a step took the latest rank's status: FAILED on rank 0, then OK on rank 1,
+    completed READY, and a host copy rank 0 never wrote was served."""
+    config = parse_config({"cpu_bytes_to_use": 2 * 4 * P, "block_size": 16, "engine_block_size": 16})
+    s = SchedulerSide(config, geometry(world_size=2))
+    held, _ = s.request_finished(request("r1", [b"\x01" * 32, b"\x02" * 32], computed=32), [7, 8])
+    assert held
+    meta = s.build_connector_meta(idle=False)
+    puts = [st for c in meta.stores[0].chains for st in c if st.op is Op.PUT]
+    s.update_connector_output(KVTierWorkerMetadata({puts[0].id: (Status.FAILED, 1), puts[1].id: (Status.OK, 1)}))
+    s.update_connector_output(KVTierWorkerMetadata({puts[0].id: (Status.OK, 1), puts[1].id: (Status.OK, 1)}))
+    assert s.directory.lookup([puts[0].key]) == []
+    assert puts[0].key not in s.directory
+
+
+def test_a_restart_with_tensor_parallelism_recovers_and_bounds_every_rank(tmp_path):
+    """exp4: the restart scan and trim ran for rank 0 only: rank 1's files exceeded max_bytes, its temp files
+    stayed."""
+    geo = geometry(world_size=2)
+    config = parse_config({"cpu_bytes_to_use": 2 * 4 * P, "block_size": 16, "engine_block_size": 16,
+                           "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path), "max_bytes": 2 * (P + 4096)}]})
+    keys = [bytes([i]) * 34 for i in range(1, 7)]
+    for rank in (0, 1):
+        store = DiskStore(tmp_path, geo.namespace(rank), rank, P)
+        for i, key in enumerate(keys):  # one chain of 6 blocks per rank: 3x the tier's capacity
+            store.write(key, keys[i - 1] if i else None, torch.zeros(P, dtype=torch.uint8))
+        store.close()
+    stray = tmp_path / geo.namespace(1) / "1" / "aa"
+    stray.mkdir(parents=True, exist_ok=True)
+    (stray / "aabb.0123456789abcdef.tmp").write_bytes(b"x" * 8192)
+
+    def files(rank: int) -> set[str]:
+        return {p.name for p in (tmp_path / geo.namespace(rank)).rglob("*") if p.is_file() and p.name != ".lock"}
+
+    s = SchedulerSide(config, geo)
+    assert s.directory.tier["disk"].used_blocks == 2 == len(files(0)) == len(files(1))
+    assert files(0) == files(1), "the ranks hold the same blocks"
+    assert not any(name.endswith(".tmp") for name in files(1))
+
+
+def test_a_restart_never_plans_copies_it_does_not_run(tmp_path):
+    """exp9: a restart with a smaller first fs tier planned COPY disk->disk1 for the excess; the caller took it
+    for a delete and completed it OK: disk1 entries with no file."""
+    def config(tiers):
+        return parse_config({"cpu_bytes_to_use": P, "block_size": 16, "secondary_tiers": tiers})
+
+    d0 = {"type": "fs", "root_dir": str(tmp_path / "d0"), "max_bytes": 4 * (P + 4096)}
+    with TieredCache(config([d0]), SHAPE, DT) as cache:
+        for i in range(5):
+            cache.store([b"k%d" % i], [torch.full(SHAPE, i, dtype=DT)])
+            cache.flush()
+    d1 = {"type": "fs", "root_dir": str(tmp_path / "d1"), "max_bytes": 4 * (P + 4096)}
+    with TieredCache(config([{**d0, "max_bytes": 2 * (P + 4096)}, d1]), SHAPE, DT) as cache:
+        files = sum(1 for p in (tmp_path / "d1").rglob("*.kv"))
+        assert cache.directory.tier["disk1"].used_blocks == files
+        for key in cache.directory.keys_in("disk1"):
+            got = cache.load([key])
+            assert len(got) == 1 and torch.equal(got[0], torch.full(SHAPE, int(key[1:]), dtype=DT))
+
+
+def test_two_engines_on_one_root_dir_cannot_exceed_its_bound(tmp_path):
+    """exp5: two engines on one root_dir each bounded only their own files: bytes on disk were 2 x max_bytes."""
+    config = parse_config({"cpu_bytes_to_use": P, "block_size": 16, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(tmp_path), "max_bytes": 4 * (P + 4096), "write_policy": "write_through"}]})
+    with TieredCache(config, SHAPE, DT) as first:
+        with pytest.raises(ValueError, match="root_dir"):
+            TieredCache(config, SHAPE, DT)
+        first.store([b"a"], [torch.zeros(SHAPE, dtype=DT)])
+    with TieredCache(config, SHAPE, DT) as again:  # the first one closed: its lock went with it
+        assert again.lookup([b"a"]) == 1
+
+
+def test_an_overridden_hit_leaves_no_promise_behind(tmp_path):
+    """exp13 (b): when vLLM overrode a hit (num_external_tokens 0), the promise stayed in `_lookups` forever."""
+    engine = Engine(parse_config({"cpu_bytes_to_use": 4 * P, "block_size": 16, "engine_block_size": 16}))
+    try:
+        engine.scheduler.request_finished(request("r0", [b"\x02" * 32], computed=16), [0])
+        engine.drain()
+        q = request("q2", [b"\x02" * 32, b"\x09" * 32])
+        assert engine.scheduler.get_num_new_matched_tokens(q, 0)[0] == 16
+        engine.scheduler.update_state_after_alloc(q, engine_blocks([]), 0)
+        engine.scheduler.request_finished(q, [])
+        assert not engine.scheduler._lookups
+    finally:
+        engine.close()
+
+
+def test_an_asynchronous_load_never_runs_on_the_engine_thread(tmp_path):
+    """exp13 (a): a disk hit is declared asynchronous to vLLM, but the worker ran it inside start_load_kv."""
+    config = parse_config({"cpu_bytes_to_use": 2 * P, "block_size": 16, "engine_block_size": 16, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 8 * (P + 4096)}]})
+    engine = Engine(config)
+    try:
+        for i in range(3):  # three one-block requests: host holds 2, the first is demoted to disk
+            engine.kv[i].fill_(i + 1)
+            engine.scheduler.request_finished(request(f"r{i}", [bytes([i + 1]) * 32], computed=16), [i])
+            engine.drain()
+        key = bytes([1]) * 32 + b"\0\0"
+        assert "disk" in engine.scheduler.directory.residency(key)
+        disk = engine.worker.stores.local["disk"]
+        real_read = disk.read
+        disk.read = lambda k, into: (time.sleep(0.5), real_read(k, into))[1]  # a slow disk
+        q = request("q", [bytes([1]) * 32, bytes([9]) * 32])
+        promised, is_async = engine.scheduler.get_num_new_matched_tokens(q, 0)
+        assert promised == 16 and is_async
+        engine.scheduler.update_state_after_alloc(q, engine_blocks([30, 31]), promised)
+        meta = engine.scheduler.build_connector_meta(idle=False)
+        start = time.perf_counter()
+        engine.worker.start(meta)
+        assert time.perf_counter() - start < 0.25, "start_load_kv waited for the disk"
+        for _ in range(100):  # vLLM polls get_finished every step until the load is reported
+            _, recving = engine.worker.get_finished(set())
+            if recving:
+                break
+            time.sleep(0.02)
+        assert recving == {"q"}
+        assert torch.equal(engine.kv[30], torch.full((P,), 1, dtype=torch.uint8))
+        engine.scheduler.update_connector_output(engine.worker.worker_meta())
+    finally:
+        engine.close()
+
+
+def test_an_aborted_request_stores_only_blocks_that_were_filled(redis_server):
+    """exp7: a request aborted while its shared-tier fetch was cut short planned PUTs (and write-through) of
+    engine blocks its own load job had declared unavailable."""
+    geo = geometry()
+    config = parse_config({"cpu_bytes_to_use": 16 * P, "block_size": 16, "engine_block_size": 16,
+                           "secondary_tiers": [{"type": "redis", "url": redis_server.url, "max_bytes": 64 * (P + 600)}]})
+    hashes = [bytes([i]) * 32 for i in range(1, 5)]
+    keys = [h + b"\x00\x00" for h in hashes]
+    seeded = RedisStore(redis_server.url, geo.namespace(0), P, 64 * (P + 600))
+    seeded.put_many([(k, keys[i - 1] if i else None, torch.zeros(P, dtype=torch.uint8)) for i, k in enumerate(keys)])
+    s = SchedulerSide(config, geo)
+    q, r = request("Q", hashes[:2]), request("R", hashes)
+    s.get_num_new_matched_tokens(q, 0), s.get_num_new_matched_tokens(r, 0)
+    time.sleep(0.3)  # the shared tier answers both lookups
+    nq, _ = s.get_num_new_matched_tokens(q, 0)
+    s.update_state_after_alloc(q, engine_blocks([10, 11, 12]), nq)
+    nr, _ = s.get_num_new_matched_tokens(r, 0)
+    r_ids = [20, 21, 22, 23, 24]
+    s.update_state_after_alloc(r, engine_blocks(r_ids), nr)
+    r.num_computed_tokens = nr  # vLLM: WAITING_FOR_REMOTE_KVS, num_computed_tokens set to the promise
+    meta = s.build_connector_meta(idle=False)
+    load = next(j for j in meta.loads if j.request_id == "R")
+    assert load.unavailable, "Q's fetch of the first block cut R's load short"
+    s.request_finished(r, r_ids[:4])  # the abort, processed before update_from_output
+    meta = s.build_connector_meta(idle=False)
+    read = {b for job in meta.stores for c in job.chains for st in c if st.op is Op.PUT
+            for b in job.sources[st.index] if b is not None}
+    assert not read & set(load.unavailable), "a PUT reads engine blocks that were never filled"
+    assert not read & {b for t in load.targets for b in t if b is not None}, "a PUT reads blocks still loading"
+    seeded.close()
+
+
+def test_the_first_block_fetched_after_a_local_hit_keeps_its_parent(redis_server):
+    """Found by reading: the first block fetched from Redis after vLLM's own prefix hit got parent=None, outside
+    the drop cascade and the orphan audit."""
+    geo = geometry()
+    config = parse_config({"cpu_bytes_to_use": 16 * P, "block_size": 16, "engine_block_size": 16,
+                           "secondary_tiers": [{"type": "redis", "url": redis_server.url, "max_bytes": 64 * (P + 600)}]})
+    hashes = [bytes([i]) * 32 for i in range(1, 4)]
+    keys = [h + b"\x00\x00" for h in hashes]
+    seeded = RedisStore(redis_server.url, geo.namespace(0), P, 64 * (P + 600))
+    seeded.put_many([(k, keys[i - 1] if i else None, torch.zeros(P, dtype=torch.uint8)) for i, k in enumerate(keys)])
+    s = SchedulerSide(config, geo)
+    r = request("R", hashes)
+    s.get_num_new_matched_tokens(r, 16)  # vLLM holds the first block itself; kvtier does not
+    time.sleep(0.3)
+    n, _ = s.get_num_new_matched_tokens(r, 16)
+    assert n == 32
+    s.update_state_after_alloc(r, engine_blocks([5, 6, 7]), n)
+    d = s.directory
+    fetched = d._blocks.get(keys[1]) or d._retiring.get(keys[1])
+    assert fetched is not None and fetched.parent == keys[0]
+    assert d.orphans() == 0
+    load = s.build_connector_meta(idle=False).loads[0]
+    s.update_connector_output(KVTierWorkerMetadata({st.id: (Status.OK, 1) for c in load.chains for st in c}), {"R"})
+    assert keys[1] not in d and keys[2] not in d, "served to this request; kept, they would be orphans"
+    assert not d._retiring and d.tier["host"].used_blocks == 0
+    seeded.close()
+
+
+def test_failed_disk_deletes_keep_their_bytes_counted(tmp_path):
+    """Found by reading: a delete that failed still freed its bytes in the directory, so the files on disk
+    exceeded max_bytes."""
+    config = parse_config({"cpu_bytes_to_use": P, "block_size": 16, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(tmp_path), "max_bytes": 2 * (P + 4096)}]})
+    with TieredCache(config, SHAPE, DT) as cache:
+        disk = cache.stores["disk"]
+        real_delete = disk.delete
+
+        def failing_delete(key):
+            if key == b"k0":
+                raise OSError(5, "injected I/O error")
+            return real_delete(key)
+
+        disk.delete = failing_delete  # type: ignore[method-assign]
+        for i in range(8):
+            cache.store([b"k%d" % i], [torch.full(SHAPE, i, dtype=DT)])
+            cache.flush()
+            files = sum(1 for _ in tmp_path.rglob("*.kv"))
+            assert files * (P + 4096) <= 2 * (P + 4096), f"{files} files on a disk tier of 2 blocks"
+        assert any(p.name == b"k0".hex() + ".kv" for p in tmp_path.rglob("*.kv")), "the injected failure kept k0"
+        assert cache.snapshot()["failed_deletes"] == {"disk": 1}
