@@ -1,10 +1,11 @@
 """`kvtier demo`: the rollout a careful operator would do, one change at a time, on a real vLLM engine (CPU).
 
-baseline (vLLM's prefix cache only) -> + host tier -> + host and disk tiers, on one built-in workload (shared
-system prompts, RAG documents, multi-turn sessions that come back after other traffic, unique prompts) arriving
-in waves of concurrent requests, with a deliberately small engine KV budget. Each configuration runs in a fresh
+A reference (vLLM with an engine cache that holds the whole workload: what a bigger GPU would give), then
+baseline (vLLM's prefix cache only, a deliberately small engine KV budget) -> + host tier -> + host and disk
+tiers, on one built-in workload (shared system prompts, RAG documents, multi-turn sessions that come back after
+other traffic, unique prompts) arriving in waves of concurrent requests. Each configuration runs in a fresh
 engine process. Reported per configuration: TTFT p50/p95/p99, ITL p50/p99, prompt tokens by source, bytes
-moved, tier usage against its bound, and whether the generated tokens equal the baseline's (they must).
+moved, tier usage against its bound, and the exactness check against the reference (`kvtier.demo.exactness`).
 """
 
 from __future__ import annotations
@@ -17,30 +18,35 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.timing import percentile
+from kvtier.demo import exactness
+from kvtier.integrations.vllm.tiny_model import ENGINE_BLOCK_TOKENS, ENGINE_BLOCKS
 
 MAX_PROMPT = 3800
 MAX_TOKENS = 8
 BLOCK_NBYTES = 2 * 128 * 2048  # a 256-token kvtier block of the tiny model: 2 KiB per token
 
 
-def configurations(root: Path) -> list[tuple[str, dict | None]]:
+def configurations(root: Path, prompts: list[list[int]]) -> list[tuple[str, dict | None, int]]:
+    """(name, kvtier config or None, engine blocks of 128 tokens); the reference comes first."""
     host = {"cpu_bytes_to_use": 24 * BLOCK_NBYTES}  # deliberately tight: the disk tier has work to do
     disk = {"type": "fs", "root_dir": str(root / "kv"), "max_bytes": 400 * (BLOCK_NBYTES + 4096)}
-    return [("baseline", None), ("+ host", host), ("+ host + disk", {**host, "secondary_tiers": [disk]})]
+    everything = sum(len(p) for p in prompts) // ENGINE_BLOCK_TOKENS + 64  # every prefix stays in the engine
+    return [("reference", None, everything), ("baseline", None, ENGINE_BLOCKS), ("+ host", host, ENGINE_BLOCKS),
+            ("+ host + disk", {**host, "secondary_tiers": [disk]}, ENGINE_BLOCKS)]
 
 
 # ---------------------------------------------------------------- the engine process
 
 
-def _engine_main(model: str, config_json: str, workload_json: str, concurrency: int) -> None:
+def _engine_main(model: str, config_json: str, workload_json: str, concurrency: int, engine_blocks: int) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvtier.integrations.vllm.tiny_model import start_engine
 
-    llm = start_engine(model, json.loads(config_json), max_num_seqs=concurrency)
+    llm = start_engine(model, json.loads(config_json), max_num_seqs=concurrency, engine_blocks=engine_blocks)
     prompts = json.loads(Path(workload_json).read_text())
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=1)
     llm.generate([TokensPrompt(prompt_token_ids=[7] * 300)], params, use_tqdm=False)  # warm-up, not measured
     results = []
     for start in range(0, len(prompts), concurrency):
@@ -50,7 +56,9 @@ def _engine_main(model: str, config_json: str, workload_json: str, concurrency: 
             m = out.metrics
             n = len(out.outputs[0].token_ids)
             itl = (m.last_token_ts - m.first_token_ts) / (n - 1) if m and n > 1 else 0.0
-            results.append({"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
+            completion = out.outputs[0]
+            results.append({"tokens": list(completion.token_ids), "cached": out.num_cached_tokens,
+                            "logprobs": [d[t].logprob for t, d in zip(completion.token_ids, completion.logprobs)],
                             "ttft": m.first_token_latency if m else 0.0, "itl": itl, "prompt": len(out.prompt_token_ids)})
         print(f"progress {len(results)}", flush=True)
     llm.generate([TokensPrompt(prompt_token_ids=[5] * 8)], params, use_tqdm=False)  # idle time: stores drain
@@ -86,7 +94,7 @@ def workload(n_requests: int, seed: int) -> list[list[int]]:
     return [list(r.tokens[-MAX_PROMPT:]) for r in requests]
 
 
-def run_rollout(n_requests: int = 48, seed: int = 0, concurrency: int = 4, json_path: Path | None = None,
+def run_rollout(n_requests: int = 48, seed: int = 0, concurrency: int = 1, json_path: Path | None = None,
                 plot_path: Path | None = None, console: Any = None) -> dict:
     from rich.progress import Progress
 
@@ -101,14 +109,17 @@ def run_rollout(n_requests: int = 48, seed: int = 0, concurrency: int = 4, json_
         model = build_tiny_llama(root / "tiny-llama")
         (root / "workload.json").write_text(json.dumps(prompts))
         with Progress(console=console, transient=True) as progress:
-            for name, extra in configurations(root):
+            for name, extra, blocks in configurations(root, prompts):
                 task = progress.add_task(name, total=len(prompts))
-                result = _run_engine(model, extra, root / "workload.json", concurrency, progress, task)
-                report["configurations"].append(_summarize(name, extra, result, len(prompts)))
-    base = report["configurations"][0]
-    for cfg in report["configurations"]:
-        cfg["identical_outputs"] = sum(a == b for a, b in zip(cfg["outputs"], base["outputs"]))
-        cfg["identical_to_baseline"] = cfg["identical_outputs"] == len(base["outputs"])
+                result = _run_engine(model, extra, blocks, root / "workload.json", concurrency, progress, task)
+                report["configurations"].append(_summarize(name, extra, blocks, result))
+    reference = report["configurations"][0]
+    for cfg in report["configurations"][1:]:
+        cfg["exactness"] = exactness.check(reference["requests"], cfg["requests"])
+    # Requests computed together share matmuls whose shapes depend on the whole batch, which differs between
+    # configurations: only requests computed alone can be held to bit-exactness (see kvtier.demo.exactness).
+    report["exactness_required"] = concurrency == 1
+    report["exact"] = all(cfg["exactness"]["exact"] for cfg in report["configurations"][1:])
     console.print(_table(report))
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,9 +130,10 @@ def run_rollout(n_requests: int = 48, seed: int = 0, concurrency: int = 4, json_
     return report
 
 
-def _run_engine(model: str, extra: dict | None, workload_path: Path, concurrency: int, progress: Any, task: Any) -> dict:
+def _run_engine(model: str, extra: dict | None, blocks: int, workload_path: Path, concurrency: int, progress: Any,
+                task: Any) -> dict:
     cmd = [sys.executable, "-m", "kvtier.demo.rollout", model, json.dumps(extra), str(workload_path),
-           str(concurrency)]
+           str(concurrency), str(blocks)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     result = None
     assert proc.stdout is not None
@@ -136,7 +148,7 @@ def _run_engine(model: str, extra: dict | None, workload_path: Path, concurrency
     return result
 
 
-def _summarize(name: str, extra: dict | None, result: dict, n: int) -> dict:
+def _summarize(name: str, extra: dict | None, engine_blocks: int, result: dict) -> dict:
     reqs = result["requests"]
     ttft = [r["ttft"] for r in reqs]
     itl = [r["itl"] for r in reqs]
@@ -152,7 +164,8 @@ def _summarize(name: str, extra: dict | None, result: dict, n: int) -> dict:
         "ttft_all_ms": [1e3 * t for t in ttft],
         "tokens": {"engine": cached - from_tiers, **tiers, "recomputed": prompt_tokens - cached},
         "bytes_moved": moved, "tiers": result["kvtier"].get("tiers", {}), "orphans": result["kvtier"].get("orphans", 0),
-        "outputs": [r["tokens"] for r in reqs],
+        "engine_blocks": engine_blocks,
+        "requests": [{k: r[k] for k in ("cached", "tokens", "logprobs")} for r in reqs],
     }
 
 
@@ -161,14 +174,18 @@ def _table(report: dict) -> Any:
 
     table = Table(title=f"kvtier rollout on vLLM (CPU): {report['requests']} requests, {report['concurrency']} at a time")
     for col in ("configuration", "TTFT p50/p95/p99 ms", "ITL p50/p99 ms", "engine", "host", "disk", "recomputed",
-                "moved MiB", "same output"):
+                "moved MiB", "exact vs reference", "other cached length: same tokens"):
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for c in report["configurations"]:
         t, i, tok = c["ttft_ms"], c["itl_ms"], c["tokens"]
         moved = sum(c["bytes_moved"].values()) / 2**20
+        e = c.get("exactness")
+        verdict = "" if e is None or e["exact"] else " FAILED" if report["exactness_required"] else " (batched)"
+        exact = "(the reference)" if e is None else f"{e['identical']}/{e['compared']}{verdict}"
+        others = "" if e is None else f"{e['others_same_tokens']}/{e['others']}"
         table.add_row(c["name"], f"{t['p50']:.0f} / {t['p95']:.0f} / {t['p99']:.0f}", f"{i['p50']:.1f} / {i['p99']:.1f}",
                       f"{tok['engine']:,}", f"{tok.get('host', 0):,}", f"{tok.get('disk', 0):,}", f"{tok['recomputed']:,}",
-                      f"{moved:,.0f}", f"{c['identical_outputs']}/{len(c['outputs'])}")
+                      f"{moved:,.0f}", exact, others)
     return table
 
 
@@ -194,4 +211,4 @@ def _plot(report: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    _engine_main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    _engine_main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
