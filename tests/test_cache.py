@@ -19,7 +19,7 @@ def keys_for(n: int, salt: int = 0) -> list[bytes]:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_host_round_trip_is_bit_identical(tmp_path, dtype):
-    with TieredCache(make_config(tmp_path, 16, dtype=dtype), SHAPE, dtype) as cache:
+    with TieredCache(make_config(tmp_path, 16, dtype=dtype), SHAPE, dtype, model="test") as cache:
         keys, blocks = keys_for(8), random_blocks(8, dtype)
         assert cache.store(keys, blocks) == 8
         cache.flush()
@@ -30,7 +30,7 @@ def test_host_round_trip_is_bit_identical(tmp_path, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_disk_round_trip_through_demotion_is_bit_identical(tmp_path, dtype):
-    with TieredCache(make_config(tmp_path, 4, 32, dtype=dtype), SHAPE, dtype) as cache:
+    with TieredCache(make_config(tmp_path, 4, 32, dtype=dtype), SHAPE, dtype, model="test") as cache:
         keys, blocks = keys_for(12), random_blocks(12, dtype, seed=1)
         for i in range(0, 12, 3):  # the host holds 4: older blocks are demoted to disk as we go
             cache.store(keys[i : i + 3], blocks[i : i + 3], parent=keys[i - 1] if i else None)
@@ -46,10 +46,10 @@ def test_disk_round_trip_through_demotion_is_bit_identical(tmp_path, dtype):
 def test_restart_recovers_every_valid_block(tmp_path):
     config = make_config(tmp_path, 16, 32, write_policy="write_through")
     keys, blocks = keys_for(10), random_blocks(10, seed=2)
-    with TieredCache(config, SHAPE, torch.bfloat16) as cache:
+    with TieredCache(config, SHAPE, torch.bfloat16, model="test") as cache:
         cache.store(keys, blocks)
         cache.flush()
-    with TieredCache(config, SHAPE, torch.bfloat16) as cache:
+    with TieredCache(config, SHAPE, torch.bfloat16, model="test") as cache:
         assert cache.lookup(keys) == 10
         assert cache.directory.residency(keys[0]) == {"disk": cache.directory.residency(keys[0])["disk"]}
         got = cache.load(keys)
@@ -70,10 +70,10 @@ def _file_of(cache: TieredCache, key: bytes) -> Path:
 def test_flipped_payload_byte_is_a_miss_and_counted(tmp_path):
     config = make_config(tmp_path, 16, 32, write_policy="write_through")
     keys, blocks = keys_for(6), random_blocks(6, seed=3)
-    with TieredCache(config, SHAPE, torch.bfloat16) as cache:
+    with TieredCache(config, SHAPE, torch.bfloat16, model="test") as cache:
         cache.store(keys, blocks)
         cache.flush()
-    with TieredCache(config, SHAPE, torch.bfloat16) as cache:  # host empty: every hit comes from disk
+    with TieredCache(config, SHAPE, torch.bfloat16, model="test") as cache:  # host empty: every hit comes from disk
         path = _file_of(cache, keys[3])
         with open(path, "r+b") as f:
             f.seek(4096 + 100)
@@ -94,7 +94,7 @@ def test_restart_scan_removes_torn_foreign_temp_and_symlinks(tmp_path):
     config = make_config(tmp_path, 16, 32, write_policy="write_through")
     keys, blocks = keys_for(4), random_blocks(4, seed=4)
     other_keys = keys_for(2, salt=7)
-    with TieredCache(config, SHAPE, torch.bfloat16) as cache:
+    with TieredCache(config, SHAPE, torch.bfloat16, model="test") as cache:
         cache.store(keys, blocks)
         cache.store(other_keys, random_blocks(2, seed=5))
         cache.flush()
@@ -106,7 +106,7 @@ def test_restart_scan_removes_torn_foreign_temp_and_symlinks(tmp_path):
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"not yours")
     os.symlink(outside, leaf.parent / "ffff.kv")
-    with TieredCache(config, SHAPE, torch.bfloat16) as cache:
+    with TieredCache(config, SHAPE, torch.bfloat16, model="test") as cache:
         assert cache.lookup(keys) == 4  # every valid block is back
         assert cache.lookup(other_keys) == 0  # torn root: it and its child are gone
         assert cache.snapshot()["orphan_blocks"] == 0
@@ -120,16 +120,16 @@ def test_restart_scan_removes_torn_foreign_temp_and_symlinks(tmp_path):
 def test_other_namespace_never_hits(tmp_path):
     config = make_config(tmp_path, 16, 32, write_policy="write_through")
     keys = keys_for(3)
-    with TieredCache(config, SHAPE, torch.bfloat16) as cache:
+    with TieredCache(config, SHAPE, torch.bfloat16, model="test") as cache:
         cache.store(keys, random_blocks(3))
         cache.flush()
-    with TieredCache(config, SHAPE, torch.float32) as other:  # another dtype = another namespace
+    with TieredCache(config, SHAPE, torch.float32, model="test") as other:  # another dtype = another namespace
         assert other.lookup(keys) == 0
 
 
 def test_full_store_queue_drops_and_counts_without_blocking(tmp_path):
     config = make_config(tmp_path, 64, 64).model_copy(update={"queue_depth": 1})
-    with TieredCache(config, SHAPE, torch.bfloat16) as cache:
+    with TieredCache(config, SHAPE, torch.bfloat16, model="test") as cache:
         assert cache.mover.reserve_store()  # another store holds the only place in the queue
         accepted = cache.store(keys_for(3), random_blocks(3))
         assert accepted == 0
@@ -140,7 +140,7 @@ def test_full_store_queue_drops_and_counts_without_blocking(tmp_path):
 
 def test_tiers_stay_within_bytes_under_pressure(tmp_path):
     config = make_config(tmp_path, 6, 10)
-    with TieredCache(config, SHAPE, torch.bfloat16) as cache:
+    with TieredCache(config, SHAPE, torch.bfloat16, model="test") as cache:
         disk = cache.stores["disk"]
         for r in range(12):
             keys = keys_for(4, salt=r)
@@ -154,7 +154,7 @@ def test_tiers_stay_within_bytes_under_pressure(tmp_path):
 
 
 def test_prometheus_families(tmp_path):
-    with TieredCache(make_config(tmp_path, 8, 8), SHAPE, torch.bfloat16) as cache:
+    with TieredCache(make_config(tmp_path, 8, 8), SHAPE, torch.bfloat16, model="test") as cache:
         keys = keys_for(2)
         cache.store(keys, random_blocks(2))
         cache.flush()
@@ -170,6 +170,6 @@ def test_prometheus_families(tmp_path):
 
 
 def test_wrong_block_shape_is_refused(tmp_path):
-    with TieredCache(make_config(tmp_path, 8), SHAPE, torch.bfloat16) as cache:
+    with TieredCache(make_config(tmp_path, 8), SHAPE, torch.bfloat16, model="test") as cache:
         with pytest.raises(ValueError, match="shape"):
             cache.store(keys_for(1), [torch.zeros(3, 3, dtype=torch.bfloat16)])

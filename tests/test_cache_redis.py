@@ -46,7 +46,7 @@ def config(url: str, host_blocks: int = 32, redis_blocks: int = 64, tenant_salt:
 
 
 def engines(url: str, n: int = 2, **kw) -> list[TieredCache]:
-    return [TieredCache(config(url, **kw), SHAPE, DTYPE) for _ in range(n)]
+    return [TieredCache(config(url, **kw), SHAPE, DTYPE, model="test") for _ in range(n)]
 
 
 def value_key(cache: TieredCache, key: bytes) -> bytes:
@@ -96,7 +96,7 @@ def test_what_one_engine_stores_the_other_loads_bit_identically(redis_server):
 
 def test_damaged_or_foreign_value_is_a_miss_never_served(redis_server):
     a, b = engines(redis_server.url)
-    other = TieredCache(config(redis_server.url, tenant_salt="another tenant"), SHAPE, DTYPE)  # another namespace
+    other = TieredCache(config(redis_server.url, tenant_salt="another tenant"), SHAPE, DTYPE, model="test")  # another namespace
     try:
         assert other.namespace.digest() != a.namespace.digest()
         keys, blocks = keys_for(6), random_blocks(6, DTYPE, seed=3)
@@ -468,8 +468,8 @@ def test_a_write_through_copy_abandoned_after_making_room_keeps_the_victims_file
 
 @pytest.mark.parametrize("dtype", [torch.float32])
 def test_other_dtype_is_another_namespace(redis_server, dtype):
-    a = TieredCache(config(redis_server.url), SHAPE, DTYPE)
-    c = TieredCache(config(redis_server.url, host_blocks=16), SHAPE, dtype)
+    a = TieredCache(config(redis_server.url), SHAPE, DTYPE, model="test")
+    c = TieredCache(config(redis_server.url, host_blocks=16), SHAPE, dtype, model="test")
     try:
         keys = keys_for(3)
         a.store(keys, random_blocks(3, DTYPE))

@@ -129,7 +129,7 @@ def two_disk_config(tmp_path, disk_blocks: int = 2, disk1_blocks: int = 8):
 def test_a_second_fs_tier_takes_demotions_and_serves_them_exactly(tmp_path):
     """exp8: two fs tiers were accepted, but the first disk->disk1 demotion crashed (no path)."""
     blocks = [torch.full(SHAPE, i, dtype=DT) for i in range(6)]
-    with TieredCache(two_disk_config(tmp_path), SHAPE, DT) as cache:
+    with TieredCache(two_disk_config(tmp_path), SHAPE, DT, model="test") as cache:
         for i, block in enumerate(blocks):
             assert cache.store([b"k%d" % i], [block]) == 1
             cache.flush()
@@ -143,7 +143,7 @@ def test_an_exception_in_a_mover_thread_fails_its_step_and_leaks_nothing(tmp_pat
     """exp2: a non-OSError in a mover chain abandoned the chain unreported: a copy stayed WRITING forever."""
     config = parse_config({"cpu_bytes_to_use": 2 * P, "block_size": 16, "secondary_tiers": [
         {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 8 * (P + 4096)}]})
-    with TieredCache(config, SHAPE, DT) as cache:
+    with TieredCache(config, SHAPE, DT, model="test") as cache:
         real_write = DiskStore.write
 
         def failing_write(store, key, parent, src):
@@ -174,7 +174,7 @@ def test_a_failed_demotion_never_sends_other_bytes_through_to_the_shared_tier(tm
         tiers.append({"type": "redis", "url": redis_server.url, "max_bytes": 64 * (P + 600)})
         return parse_config({"cpu_bytes_to_use": host_blocks * P, "block_size": 16, "secondary_tiers": tiers})
 
-    with TieredCache(config(True, 1), SHAPE, DT) as a, TieredCache(config(False, 4), SHAPE, DT) as b:
+    with TieredCache(config(True, 1), SHAPE, DT, model="test") as a, TieredCache(config(False, 4), SHAPE, DT, model="test") as b:
         def failing_write(key, parent, src):
             raise RuntimeError("injected: not an OSError")
 
@@ -214,7 +214,7 @@ def test_two_fs_tiers_through_the_connector_release_every_held_request(tmp_path)
 
 def test_keys_a_store_cannot_hold_are_refused_at_the_door(tmp_path):
     """exp2's trigger: a key longer than the block header allows reached the disk store on demotion."""
-    with TieredCache(parse_config({"cpu_bytes_to_use": 2 * P, "block_size": 16}), SHAPE, DT) as cache:
+    with TieredCache(parse_config({"cpu_bytes_to_use": 2 * P, "block_size": 16}), SHAPE, DT, model="test") as cache:
         with pytest.raises(ValueError, match="key"):
             cache.store([b"L" * 200], [torch.zeros(SHAPE, dtype=DT)])
 
@@ -269,12 +269,12 @@ def test_a_restart_never_plans_copies_it_does_not_run(tmp_path):
         return parse_config({"cpu_bytes_to_use": P, "block_size": 16, "secondary_tiers": tiers})
 
     d0 = {"type": "fs", "root_dir": str(tmp_path / "d0"), "max_bytes": 4 * (P + 4096)}
-    with TieredCache(config([d0]), SHAPE, DT) as cache:
+    with TieredCache(config([d0]), SHAPE, DT, model="test") as cache:
         for i in range(5):
             cache.store([b"k%d" % i], [torch.full(SHAPE, i, dtype=DT)])
             cache.flush()
     d1 = {"type": "fs", "root_dir": str(tmp_path / "d1"), "max_bytes": 4 * (P + 4096)}
-    with TieredCache(config([{**d0, "max_bytes": 2 * (P + 4096)}, d1]), SHAPE, DT) as cache:
+    with TieredCache(config([{**d0, "max_bytes": 2 * (P + 4096)}, d1]), SHAPE, DT, model="test") as cache:
         files = sum(1 for p in (tmp_path / "d1").rglob("*.kv"))
         assert cache.directory.tier["disk1"].used_blocks == files
         for key in cache.directory.keys_in("disk1"):
@@ -286,11 +286,11 @@ def test_two_engines_on_one_root_dir_cannot_exceed_its_bound(tmp_path):
     """exp5: two engines on one root_dir each bounded only their own files: bytes on disk were 2 x max_bytes."""
     config = parse_config({"cpu_bytes_to_use": P, "block_size": 16, "secondary_tiers": [
         {"type": "fs", "root_dir": str(tmp_path), "max_bytes": 4 * (P + 4096), "write_policy": "write_through"}]})
-    with TieredCache(config, SHAPE, DT) as first:
+    with TieredCache(config, SHAPE, DT, model="test") as first:
         with pytest.raises(ValueError, match="root_dir"):
-            TieredCache(config, SHAPE, DT)
+            TieredCache(config, SHAPE, DT, model="test")
         first.store([b"a"], [torch.zeros(SHAPE, dtype=DT)])
-    with TieredCache(config, SHAPE, DT) as again:  # the first one closed: its lock went with it
+    with TieredCache(config, SHAPE, DT, model="test") as again:  # the first one closed: its lock went with it
         assert again.lookup([b"a"]) == 1
 
 
@@ -409,7 +409,7 @@ def test_failed_disk_deletes_keep_their_bytes_counted(tmp_path):
     exceeded max_bytes."""
     config = parse_config({"cpu_bytes_to_use": P, "block_size": 16, "secondary_tiers": [
         {"type": "fs", "root_dir": str(tmp_path), "max_bytes": 2 * (P + 4096)}]})
-    with TieredCache(config, SHAPE, DT) as cache:
+    with TieredCache(config, SHAPE, DT, model="test") as cache:
         disk = cache.stores["disk"]
         real_delete = disk.delete
 
@@ -426,3 +426,42 @@ def test_failed_disk_deletes_keep_their_bytes_counted(tmp_path):
             assert files * (P + 4096) <= 2 * (P + 4096), f"{files} files on a disk tier of 2 blocks"
         assert any(p.name == b"k0".hex() + ".kv" for p in tmp_path.rglob("*.kv")), "the injected failure kept k0"
         assert cache.snapshot()["failed_deletes"] == {"disk": 1}
+
+
+def test_a_cache_reset_leaves_no_tier_serving_the_old_kv(tmp_path):
+    """Found by reading: the connector did not implement reset_cache, so vLLM's reset_prefix_cache after a
+    weight update left every tier serving KV of the old weights."""
+    config = parse_config({"cpu_bytes_to_use": 4 * P, "block_size": 16, "engine_block_size": 16, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(tmp_path), "max_bytes": 8 * (P + 4096), "write_policy": "write_through"}]})
+    engine = Engine(config)
+    try:
+        hashes = [bytes([i]) * 32 for i in range(1, 4)]
+        engine.scheduler.request_finished(request("r", hashes, computed=48), [0, 1, 2])
+        engine.drain()
+        assert engine.scheduler.get_num_new_matched_tokens(request("again", hashes), 0) == (48, False)
+        assert len(list(tmp_path.rglob("*.kv"))) == 3
+        assert engine.scheduler.reset_cache()
+        assert engine.scheduler.get_num_new_matched_tokens(request("after", hashes), 0) == (0, False)
+        engine.drain()
+        assert not list(tmp_path.rglob("*.kv")), "the old blocks' files are deleted"
+        assert all(u.used_bytes == 0 for u in engine.scheduler.directory.usage().values())
+        engine.scheduler.request_finished(request("new", hashes, computed=48), [0, 1, 2])  # the new weights' KV
+        engine.drain()
+        assert engine.scheduler.get_num_new_matched_tokens(request("hit", hashes), 0) == (48, False)
+    finally:
+        engine.close()
+
+
+def test_a_cache_with_a_persistent_tier_must_name_its_model(tmp_path):
+    """Found by reading: TieredCache named every model "in-process", so a disk tier served blocks of another
+    model with the same block shape after a restart."""
+    config = parse_config({"cpu_bytes_to_use": 2 * P, "block_size": 16, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(tmp_path), "max_bytes": 8 * (P + 4096), "write_policy": "write_through"}]})
+    with pytest.raises(ValueError, match="model"):
+        TieredCache(config, SHAPE, DT)
+    with TieredCache(config, SHAPE, DT, model="weights A") as a:
+        a.store([b"k"], [torch.ones(SHAPE, dtype=DT)])
+    with TieredCache(config, SHAPE, DT, model="weights B") as b:
+        assert b.lookup([b"k"]) == 0
+    with TieredCache(config, SHAPE, DT, model="weights A") as a:
+        assert a.lookup([b"k"]) == 1

@@ -42,7 +42,7 @@ def tiered_cache_hits(requests, extra: dict, engine_blocks: int, tmp_path) -> tu
     block = torch.zeros(SHAPE, dtype=torch.bfloat16)
     engine = EngineCache(engine_blocks)
     hits = {"engine": 0}
-    with TieredCache(parse_config(data), SHAPE, torch.bfloat16) as cache:
+    with TieredCache(parse_config(data), SHAPE, torch.bfloat16, model="test") as cache:
         assert cache.payload_nbytes == PAYLOAD == LAYOUT.bytes_per_block(16)
         for r in requests:
             keys = [b.to_bytes(8, "little") for b in r.blocks]

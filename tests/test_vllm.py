@@ -72,6 +72,14 @@ def test_host_tier_restores_exactly(tiny_model, engine_only, tmp_path):
     assert max_diff(restored, engine_hit) == 0.0
 
 
+def test_a_prefix_cache_reset_reaches_every_tier(tiny_model, engine_only, tmp_path):
+    """After vLLM's reset_prefix_cache (a weight update), nothing stored before is served: A is recomputed."""
+    disk = {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20, "write_policy": "write_through"}
+    out = run(tiny_model, {"cpu_bytes_to_use": 256 << 20, "secondary_tiers": [disk]}, *EVICT[:-1], "!reset", "A")
+    assert out[-1]["cached"] == 0
+    assert out[-1]["tokens"] == engine_only[0]["tokens"] and out[-1]["logprobs"] == engine_only[0]["logprobs"]
+
+
 def test_host_tier_in_a_separate_engine_process(tiny_model, engine_only):
     out = run(tiny_model, {"cpu_bytes_to_use": 256 << 20}, *EVICT, separate_engine=True)
     assert out[-1]["cached"] == 1920

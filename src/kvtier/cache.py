@@ -45,13 +45,20 @@ class TieredCache:
         rank: int = 0,
         world_size: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        model: str | None = None,
     ) -> None:
+        """`model` names what computed the KV (`kvtier.weights.weights_identity` of its checkpoint, or any name
+        that changes with the weights); it is part of the namespace, and required with a disk or Redis tier,
+        whose blocks outlive this process: blocks of another model with the same shape must never be served."""
         self.config = config
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
         self.payload_nbytes = math.prod(self.block_shape) * dtype.itemsize
+        if namespace is None and model is None and config.secondary_tiers:
+            raise ValueError("TieredCache: name the model whose KV this is (model=...): a disk or redis tier keeps "
+                             "blocks beyond this process, and another model's blocks of the same shape would be served")
         self.namespace = namespace or Namespace(
-            model="in-process", dtype=str(dtype).removeprefix("torch."), block_size=config.block_size,
+            model=model or "in-process", dtype=str(dtype).removeprefix("torch."), block_size=config.block_size,
             kv_layout="x".join(map(str, self.block_shape)), rank=rank, world_size=world_size,
             tenant_salt=config.tenant_salt,
         )

@@ -4,7 +4,8 @@ Run as a subprocess by the tests: each engine gets a fresh process, as a served 
     python -m tests.vllm.scenario MODEL_DIR CONFIG_JSON|off PROMPTS...
 PROMPTS name seeded 2048-token prompts: A, B, C, D; `A+B` submits A and B together. The engine's KV cache
 holds 48 blocks of 128 tokens, so three other prompts evict a fourth. `!redis-kill` and `!redis-start` kill and
-restart (same port, empty) the test's redis-server, named by KVTIER_TEST_REDIS="binary|port|dir|pid".
+restart (same port, empty) the test's redis-server, named by KVTIER_TEST_REDIS="binary|port|dir|pid"; `!reset`
+resets vLLM's prefix cache and the connector's.
 """
 
 from __future__ import annotations
@@ -68,6 +69,15 @@ def main() -> None:
     for names_together in names:
         if names_together.startswith("!redis-"):
             redis = redis_action(names_together, redis)
+            continue
+        if names_together == "!reset":  # what an RL framework does after a weight update, once idle
+            for _ in range(20):  # vLLM resets only with every block free: let finished stores release theirs
+                llm.generate([TokensPrompt(prompt_token_ids=[5] * 8)], SamplingParams(max_tokens=2), use_tqdm=False)
+                if llm.reset_prefix_cache(reset_connector=True):
+                    break
+                time.sleep(0.1)
+            else:
+                raise RuntimeError("reset_prefix_cache kept failing")
             continue
         together = names_together.split("+")
         start = time.perf_counter()

@@ -91,7 +91,7 @@ class RunResult:
 def run_one(name: str, requests: Sequence[Request], config: KVTierConfig | None, progress: Progress | None) -> RunResult:
     shape = block_shape(DEMO_LAYOUT, BLOCK_TOKENS)
     engine = EngineCache(ENGINE_BLOCKS)
-    cache = TieredCache(config, shape, torch.bfloat16) if config else None
+    cache = TieredCache(config, shape, torch.bfloat16, model="demo: the KV is a function of its key") if config else None
     result = RunResult(name)
     task = progress.add_task(name, total=len(requests)) if progress else None
     try:

@@ -58,6 +58,14 @@ class Directory(SharedTierPlans):
         """Bytes used and configured, per local tier: what the metrics of every driver export."""
         return {t.name: TierUsage(t.used_bytes, t.capacity_bytes) for t in self.tiers}
 
+    def drop_all(self) -> None:
+        """Forget every block (the engine's weights changed): each leaves as any dropped block does, its copies
+        freed once no transfer touches them, its files deleted (`take_garbage`)."""
+        for block in list(self._blocks.values()):
+            if block.key in self._blocks:  # not dropped already, as a descendant
+                self._drop(block)
+        self._sightings.clear()
+
     # ---------------------------------------------------------------- loads
 
     def plan_load(self, keys: Sequence[bytes], shared_end: int = 0, parent: bytes | None = None) -> Plan:

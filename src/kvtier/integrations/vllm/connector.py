@@ -79,6 +79,9 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
+    def reset_cache(self) -> bool | None:
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
+
     # ---------------------------------------------------------------- worker half
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

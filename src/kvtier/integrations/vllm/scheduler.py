@@ -89,6 +89,7 @@ class SchedulerSide:
         self._dropped: Counter = Counter()  # reason -> blocks this half refused to store
         self.stats: Counter = Counter()
         self._deltas = Deltas()
+        self._generation = b""  # appended to every key once vLLM reset its prefix cache (see reset_cache)
         self._orphans: dict[str, int] = {}
         self._audited_at = float("-inf")
         self._recover()
@@ -188,6 +189,20 @@ class SchedulerSide:
         self._stores.append(StoreJob(request.request_id, plan.chains, sources, holds=bool(puts)))
         return bool(puts), None
 
+    def reset_cache(self) -> bool:
+        """vLLM's `reset_prefix_cache(reset_connector=True)`, e.g. after a weight update: nothing stored before
+        may be served again. Every local block is dropped (host slots freed, files deleted, what is in flight
+        once its transfer ends), and keys get a new generation from now on, so that no tier, the shared one
+        included, can hit an old block: other engines may still use those, which age out by the tier's LRU."""
+        self._generation = (int.from_bytes(self._generation or b"\0", "big") + 1).to_bytes(4, "big")
+        self.directory.drop_all()
+        self._asked.clear()
+        self._lookups.clear()
+        self._collect_garbage()
+        log.info("kvtier: cache reset (generation %d): every tier's blocks are dropped or unreachable",
+                 int.from_bytes(self._generation, "big"))
+        return True
+
     def stats_payload(self) -> dict:
         """What changed in the directory since the last call, and the tiers' usage now."""
         d = self.directory
@@ -259,7 +274,7 @@ class SchedulerSide:
     def _keys(self, request: Request) -> list[bytes]:
         per = self.geo.block_tokens // self.geo.engine_block_size
         hashes = request.block_hashes[per - 1 :: per]
-        return precomputed_keys(hashes, group=0)
+        return [key + self._generation for key in precomputed_keys(hashes, group=0)]
 
     def _engine_blocks(self, engine_ids: list[int], kvtier_block: int, skip: int, end_token: int) -> EngineBlocks:
         """The engine blocks of one kvtier block; None for those before `skip` or from `end_token` on."""

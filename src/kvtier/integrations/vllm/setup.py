@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.config import ConfigError, KVTierConfig, parse_config
 from kvtier.keys import Namespace
+from kvtier.weights import weights_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,10 +69,18 @@ def geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KV
         block_tokens=config.block_size,
         engine_block_nbytes=spec.page_size_bytes * len(groups[0].layer_names),
         world_size=vllm_config.parallel_config.world_size,
-        model=str(vllm_config.model_config.model),
+        model=_weights(vllm_config.model_config),
         dtype=str(vllm_config.cache_config.cache_dtype) + "/" + str(vllm_config.model_config.dtype),
         kv_layout=str(kv_cache_config.kv_cache_layout or type(spec).__name__),
         hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
         tenant_salt=config.tenant_salt,
         engine_id=str(getattr(vllm_config, "instance_id", "") or ""),
     )
+
+
+def _weights(model_config: Any) -> str:
+    """The identity of the weights the engine serves (kvtier.weights), not the path it found them at."""
+    hf_config = getattr(model_config, "hf_config", None)
+    config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
+    return weights_identity(str(model_config.model), config, getattr(model_config, "quantization", None),
+                            getattr(model_config, "revision", None))
