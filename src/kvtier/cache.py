@@ -29,6 +29,7 @@ from kvtier.config import KVTierConfig
 from kvtier.directory import Directory, Op, Status, Step
 from kvtier.keys import Namespace
 from kvtier.metrics import Metrics
+from kvtier.mover.copy import ready_event
 from kvtier.policies.base import DEFAULT_PRIORITY
 from kvtier.sizing import shared_spec, shared_tier, tier_specs
 from kvtier.stores.blockformat import MAX_KEY
@@ -96,7 +97,7 @@ class TieredCache:
         if not plan.chains:
             self.mover.release_store()
             return 0
-        self.mover.store(plan, list(blocks))
+        self.mover.store(plan, list(blocks), ready=ready_event(blocks))
         return sum(1 for chain in plan.chains for step in chain if step.op is Op.PUT)
 
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -146,7 +147,7 @@ class TieredCache:
         if out is None:
             out = [torch.empty(self.block_shape, dtype=self.dtype, device=device or "cpu") for _ in plan.keys]
         try:
-            ok = self.mover.load(plan, out)
+            ok = self.mover.load(plan, out, ready=ready_event(out))
         finally:
             with self._lock:
                 self.directory.finish_load(plan)

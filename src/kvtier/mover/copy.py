@@ -7,11 +7,15 @@ get the same element type, so nothing is ever converted.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 CallerBlock = torch.Tensor | Sequence[torch.Tensor | int]
+_local = threading.local()  # each mover thread's copy streams
 
 
 def copy_into_slot(slot: torch.Tensor, block: CallerBlock, non_blocking: bool = False) -> None:
@@ -53,11 +57,37 @@ def on_cpu(blocks: Sequence[CallerBlock] | None) -> bool:
     return first is not None and first.device.type == "cpu"
 
 
-def synchronize(blocks: Sequence[CallerBlock] | None) -> None:
-    """Non-blocking copies to or from an accelerator are complete only after a sync."""
+def ready_event(blocks: Sequence[CallerBlock] | None) -> Any:
+    """Where the caller's blocks live on an accelerator: an event on the caller's current stream, recorded in
+    the caller's thread, after the work it queued on those blocks (the KV the engine computed, or is still
+    reading in a block it freed). Copies wait for it; None on the CPU."""
     first = _first_tensor(blocks)
-    if first is not None and first.device.type == "cuda":
-        torch.cuda.current_stream(first.device).synchronize()
+    if first is None or first.device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(first.device).record_event()
+
+
+@contextmanager
+def device_stream(blocks: Sequence[CallerBlock] | None, ready: Any) -> Iterator[None]:
+    """Copies to or from an accelerator run on a stream of ours (one per device and thread), ordered after
+    `ready` (see `ready_event`), and are complete when the block ends. On the CPU: nothing to do."""
+    first = _first_tensor(blocks)
+    if first is None or first.device.type != "cuda":
+        yield
+        return
+    stream = _stream(first.device)
+    if ready is not None:
+        stream.wait_event(ready)
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
+
+
+def _stream(device: torch.device) -> Any:
+    streams = _local.__dict__.setdefault("streams", {})
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
 
 
 def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from kvtier.directory import CALLER, Status, Step
-from kvtier.mover.copy import CallerBlock, copy_all, copy_from_slot, copy_into_slot, regions, synchronize
+from kvtier.mover.copy import CallerBlock, copy_all, copy_from_slot, copy_into_slot, device_stream, regions
 from kvtier.stores.base import ObjectStore, ReadStatus, SlotStore, Stores
 
 Result = tuple[Status, int]  # the step's status and the payload bytes it moved
@@ -24,10 +24,12 @@ Reporter = Callable[[Sequence[Step], Status], None]  # where a driver learns how
 
 @dataclass
 class CallerIO:
-    """The caller's tensors of one plan, by step index: PUT sources (`blocks`), GET destinations (`out`)."""
+    """The caller's tensors of one plan, by step index: PUT sources (`blocks`), GET destinations (`out`), and
+    on an accelerator the event its copies must wait for (`kvtier.mover.copy.ready_event`)."""
 
     blocks: Sequence[CallerBlock] = ()
     out: Sequence[CallerBlock] = ()
+    ready: Any = None
 
 
 class Handler(Protocol):
@@ -43,17 +45,18 @@ class CallerToSlot:
         self.slab = slab
 
     def run(self, step: Step, io: CallerIO) -> Result:
-        copy_into_slot(self.slab.slot(slot_of(step.dst_slot)), io.blocks[step.index])
+        with device_stream(io.blocks, io.ready):
+            copy_into_slot(self.slab.slot(slot_of(step.dst_slot)), io.blocks[step.index], non_blocking=True)
         return Status.OK, self.slab.payload_nbytes
 
     def run_many(self, steps: Sequence[Step], io: CallerIO) -> None:
-        """Every part of every block in one copy call, then one sync if the caller's side is a device."""
+        """Every part of every block in one copy call (on a device: on our stream, complete on return)."""
         pairs = []
         for step in steps:
             pairs += [(region, part) for part, region in regions(io.blocks[step.index],
                                                                  self.slab.slot(slot_of(step.dst_slot)))]
-        copy_all(pairs, non_blocking=True)
-        synchronize(io.blocks)
+        with device_stream(io.blocks, io.ready):
+            copy_all(pairs, non_blocking=True)
 
 
 class SlotToCaller:
@@ -63,15 +66,16 @@ class SlotToCaller:
         self.slab = slab
 
     def run(self, step: Step, io: CallerIO) -> Result:
-        copy_from_slot(io.out[step.index], self.slab.slot(slot_of(step.src_slot)))
+        with device_stream(io.out, io.ready):
+            copy_from_slot(io.out[step.index], self.slab.slot(slot_of(step.src_slot)), non_blocking=True)
         return Status.OK, self.slab.payload_nbytes
 
     def run_many(self, steps: Sequence[Step], io: CallerIO) -> None:
         pairs = []
         for step in steps:
             pairs += list(regions(io.out[step.index], self.slab.slot(slot_of(step.src_slot))))
-        copy_all(pairs, non_blocking=True)
-        synchronize(io.out)
+        with device_stream(io.out, io.ready):
+            copy_all(pairs, non_blocking=True)
 
 
 class SlotToObject:

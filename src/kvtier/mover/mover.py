@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
+from typing import Any
 
 from kvtier.directory import Op, Plan, Status, Step
 from kvtier.metrics import Metrics
@@ -84,11 +85,11 @@ class Mover:
     def release_store(self) -> None:
         self._store_slots.release()
 
-    def store(self, plan: Plan, blocks: Sequence[CallerBlock]) -> None:
+    def store(self, plan: Plan, blocks: Sequence[CallerBlock], ready: Any = None) -> None:
         """Run a store plan: PUTs of CPU blocks into host at once, in the caller's thread; the rest in the
         background. The place `reserve_store` took is freed when its local part is done. Its shared-tier
-        writes follow as one job."""
-        io = CallerIO(blocks=blocks)
+        writes follow as one job. `ready`: on an accelerator, `ready_event(blocks)`, recorded by the caller."""
+        io = CallerIO(blocks=blocks, ready=ready)
         plain, cut = self._shared.cut(plan.chains, last_only=True)
         local = plain + [before for before, _, _ in cut if before]
         failed: set[bytes] = set()  # keys whose PUT failed: their write-through steps are skipped
@@ -132,13 +133,14 @@ class Mover:
             self._track(future)
             future.add_done_callback(one_done)
 
-    def load(self, plan: Plan, out: Sequence[CallerBlock]) -> list[bool]:
+    def load(self, plan: Plan, out: Sequence[CallerBlock], ready: Any = None) -> list[bool]:
         """Run a load plan and wait for it; True for each `out[i]` that now holds its block.
 
         Host hits are copied in the caller's thread; promotions from slower tiers run on the read pool;
         fetches from a shared tier run as batches once the evictions that make room for them are done.
+        `ready`: on an accelerator, `ready_event(out)`, recorded by the caller (in its thread).
         """
-        io = CallerIO(out=out)
+        io = CallerIO(out=out, ready=ready)
         delivered = [False] * len(out)
         plain, cut = self._shared.cut(plan.chains, last_only=False)
         batch, chains = _singles(plain, Op.GET)

@@ -12,6 +12,7 @@ import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ from kvtier.integrations.vllm.setup import Geometry
 from kvtier.integrations.vllm.stats import Deltas, add_breaker
 from kvtier.metrics import Metrics
 from kvtier.mover import CallerBlock, Mover
+from kvtier.mover.copy import ready_event
 from kvtier.stores.base import Stores
 from kvtier.wiring import build_mover, build_stores
 
@@ -100,22 +102,23 @@ class WorkerSide:
             self._report(steps, Status.FAILED)
             return
         blocks = [self._parts(src) for src in job.sources]
-        self.mover.store(Plan(chains=job.chains), blocks)
+        self.mover.store(Plan(chains=job.chains), blocks, ready=ready_event(self.pages))
 
     def _load(self, job: LoadJob) -> None:
         """A synchronous load (host hits) runs here, in the engine's thread, before the forward that needs it. An
         asynchronous one (a slower tier) runs in the background: vLLM goes on stepping the other requests and
         waits for this one to be reported in `get_finished`, so a slow disk stalls only the request it serves."""
+        ready = ready_event(self.pages)  # here, in the engine's thread: after what its stream queued on these blocks
         if job.sync:
-            self._run_load(job)
+            self._run_load(job, ready)
         else:
-            self._loading.submit(self._run_load, job)
+            self._loading.submit(self._run_load, job, ready)
 
-    def _run_load(self, job: LoadJob) -> None:
+    def _run_load(self, job: LoadJob, ready: Any) -> None:
         assert self.mover is not None
         try:
             out = [self._parts(t) for t in job.targets]
-            delivered = self.mover.load(Plan(chains=job.chains), out) if job.chains else []
+            delivered = self.mover.load(Plan(chains=job.chains), out, ready) if job.chains else []
         except Exception:  # nothing may stay unreported: vLLM would wait for this request forever
             log.exception("kvtier: a load for request %s failed", job.request_id)
             delivered = [False] * len(job.targets)
