@@ -80,6 +80,26 @@ def test_a_prefix_cache_reset_reaches_every_tier(tiny_model, engine_only, tmp_pa
     assert out[-1]["tokens"] == engine_only[0]["tokens"] and out[-1]["logprobs"] == engine_only[0]["logprobs"]
 
 
+def test_aborts_and_preemptions_leak_nothing_and_later_hits_stay_exact(tiny_model, engine_only, tmp_path):
+    """vLLM preempts (4 requests of 1,900 + 300 tokens against 48 blocks of 128) and two requests are aborted
+    while kvtier loads and stores: afterwards no block is held by anyone, and A served from kvtier is vLLM's own
+    hit, bit for bit."""
+    disk = {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20}
+    config = {"cpu_bytes_to_use": 16 << 20, "secondary_tiers": [disk]}  # 32 blocks of host: disk has work too
+    proc = subprocess.run([sys.executable, "-m", "tests.vllm.aborts", tiny_model, json.dumps(config)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(data["finished"]) == {"P", "R"} and data["preempted"], "Q and S aborted; vLLM preempted"
+    engine_hit = engine_only[-1]
+    assert data["again"]["cached"] == engine_hit["cached"] == 1920
+    assert data["again"]["tokens"][:4] == engine_hit["tokens"]
+    assert data["again"]["logprobs"][:4] == engine_hit["logprobs"]
+    assert data["vllm_free_blocks"] == data["vllm_blocks"] - 1, "every engine block is free again"
+    assert data["kvtier_pinned"] == 0 and not data["kvtier_pending"] and data["kvtier_orphans"] == 0
+
+
 def test_host_tier_in_a_separate_engine_process(tiny_model, engine_only):
     out = run(tiny_model, {"cpu_bytes_to_use": 256 << 20}, *EVICT, separate_engine=True)
     assert out[-1]["cached"] == 1920

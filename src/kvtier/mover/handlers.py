@@ -125,11 +125,12 @@ class DeleteObject:
         return Status.OK, 0
 
 
-def build_handlers(stores: Stores, integrity_failure: Callable[[str], None]) -> dict[tuple[str, str], Handler]:
-    """Every (src, dst) pair of tier names a plan can hold, with its handler. `integrity_failure(tier)` counts
-    a block found torn or foreign there."""
+def build_handlers(stores: Stores, put: CallerToSlot, get: SlotToCaller,
+                   integrity_failure: Callable[[str], None]) -> dict[tuple[str, str], Handler]:
+    """Every (src, dst) pair of tier names a plan can hold, with its handler (`put` and `get` are the caller's:
+    the mover also runs them in batches). `integrity_failure(tier)` counts a block found torn or foreign there."""
     host, slab = stores.host_name, stores.host
-    handlers: dict[tuple[str, str], Handler] = {(CALLER, host): CallerToSlot(slab), (host, CALLER): SlotToCaller(slab)}
+    handlers: dict[tuple[str, str], Handler] = {(CALLER, host): put, (host, CALLER): get}
     for name, store in stores.objects():
         counted = _counter(integrity_failure, name)
         handlers[(host, name)] = SlotToObject(slab, store)

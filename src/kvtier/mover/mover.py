@@ -55,9 +55,9 @@ class Mover:
         self.report = report
         self.metrics = metrics
         self._cpus = cpus
-        self._handlers = build_handlers(stores, lambda tier: metrics.count("integrity_failures", tier))
-        self._put = CallerToSlot(stores.host)
-        self._get = SlotToCaller(stores.host)
+        self._put, self._get = CallerToSlot(stores.host), SlotToCaller(stores.host)
+        self._handlers = build_handlers(stores, self._put, self._get,
+                                        lambda tier: metrics.count("integrity_failures", tier))
         self._reads = self._pool(n_read_threads, "kvtier-read", background=False)
         self._writes = self._pool(n_write_threads, "kvtier-write", background=True)
         self._store_slots = threading.BoundedSemaphore(queue_depth)
@@ -222,6 +222,8 @@ class Mover:
                 status, nbytes = self._run_step(step, io)
                 if status is Status.OK and step.op is not Op.DELETE:
                     self.metrics.observe_move(step.src, step.dst, nbytes, time.perf_counter() - start)
+                elif status is Status.FAILED and step.op is not Op.DELETE:  # ENOSPC, EIO, ...: counted, served on
+                    self.metrics.count("stores_dropped", f"{step.dst}_failed")
                 if status is Status.OK and step.op is Op.GET and delivered is not None:
                     delivered[step.index] = True
             if status is not Status.OK:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.config import ConfigError, KVTierConfig, parse_config
@@ -26,12 +26,12 @@ class Geometry:
     kv_layout: str
     hash_algo: str
     tenant_salt: str
-    engine_id: str = ""  # vLLM's instance id: every process of one engine knows it (it owns the disk tiers)
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # vLLM's instance id: all its processes know it
 
     @property
     def owner(self) -> str:
-        """Whom this engine's disk tiers are claimed for; a fresh token where vLLM gave no instance id."""
-        return f"vllm-{self.engine_id}" if self.engine_id else f"vllm-{uuid.uuid4().hex}"
+        """Whom this engine's disk tiers are claimed for (one engine per root_dir)."""
+        return f"vllm-{self.engine_id}"
 
     @property
     def engine_blocks_per_block(self) -> int:
@@ -74,7 +74,7 @@ def geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KV
         kv_layout=str(kv_cache_config.kv_cache_layout or type(spec).__name__),
         hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
         tenant_salt=config.tenant_salt,
-        engine_id=str(getattr(vllm_config, "instance_id", "") or ""),
+        engine_id=str(getattr(vllm_config, "instance_id", "") or uuid.uuid4().hex),
     )
 
 

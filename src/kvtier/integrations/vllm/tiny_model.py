@@ -26,10 +26,11 @@ ENGINE_BLOCK_TOKENS = 128  # vLLM's block size on the CPU backend
 ENGINE_BLOCKS = 48  # 6,144 tokens of engine KV, a few requests' worth: the cache is under pressure
 
 
-def start_engine(model: str, kvtier_config: dict | None, max_num_seqs: int = 4, engine_blocks: int = ENGINE_BLOCKS) -> Any:
+def start_engine(model: str, kvtier_config: dict | None, max_num_seqs: int = 4, engine_blocks: int = ENGINE_BLOCKS,
+                 **engine_args: Any) -> Any:
     """A vLLM engine on the CPU, in this process, with a deliberately small KV budget (`engine_blocks`); kvtier's
     connector when `kvtier_config` (its `kv_connector_extra_config`) is given, vLLM's prefix cache alone
-    otherwise."""
+    otherwise. `engine_args` go to vLLM as they are."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
@@ -39,4 +40,4 @@ def start_engine(model: str, kvtier_config: dict | None, max_num_seqs: int = 4, 
         "kv_role": "kv_both", "kv_connector_extra_config": kvtier_config}
     return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=4096, dtype="bfloat16",
                seed=0, max_num_seqs=max_num_seqs, enable_prefix_caching=True, num_gpu_blocks_override=engine_blocks,
-               kv_transfer_config=kv, disable_log_stats=False)
+               kv_transfer_config=kv, disable_log_stats=False, **engine_args)

@@ -1,0 +1,235 @@
+"""Faults injected into real parts; what matters in each is how many wrong blocks were served: 0.
+
+- a writer process killed (SIGKILL) at random moments while it stores blocks to disk, then restarted;
+- a disk tier on a file system that fills up (a tmpfs mounted with `size=`);
+- tensor parallelism: two worker halves (ranks) in one process, one of them failing writes and reads;
+- a randomized state machine at the connector level: requests, aborts before their output, failing stores and
+  reads, restarts, on real host and disk stores.
+The real vLLM engine's aborts and preemptions are in tests/test_vllm.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvtier.cache import TieredCache
+from kvtier.config import parse_config
+from tests.connector_harness import P, Engine, Request
+
+SHAPE, DT = (4, 1024), torch.uint8  # a block: 4 KiB
+KILLS = 50
+
+
+def content(key: bytes) -> torch.Tensor:
+    seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+    return torch.randint(0, 256, SHAPE, dtype=DT, generator=torch.Generator().manual_seed(seed))
+
+
+def disk_config(root, host_blocks: int, disk_blocks: int, **extra):
+    return parse_config({"cpu_bytes_to_use": host_blocks * P, "block_size": 16, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(root), "max_bytes": disk_blocks * (P + 4096), **extra}]})
+
+
+# ---------------------------------------------------------------- kill -9 while writing
+
+
+def _writer(root: str, cycle: int) -> None:
+    """The victim: stores chains of 4 blocks to a write-through disk tier until it is killed."""
+    torch.set_num_threads(1)
+    cache = TieredCache(disk_config(root, 8, 24, write_policy="write_through"), SHAPE, DT, model="killed")
+    for i in range(1 << 30):
+        keys = [b"c%d-%d-%d" % (cycle, i, j) for j in range(4)]
+        cache.store(keys, [content(k) for k in keys])
+
+
+def test_a_writer_killed_at_random_moments_never_leaves_a_block_that_is_served_wrong(tmp_path):
+    root = tmp_path / "kv"
+    rng = random.Random(0)
+    fork = multiprocessing.get_context("fork")
+    verified = recovered = 0
+    for cycle in range(KILLS):
+        victim = fork.Process(target=_writer, args=(str(root), cycle))
+        victim.start()
+        time.sleep(rng.uniform(0.05, 0.4))
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join()
+        assert victim.exitcode == -signal.SIGKILL, "killed mid-write, not finished"
+        with TieredCache(disk_config(root, 8, 24, write_policy="write_through"), SHAPE, DT, model="killed") as cache:
+            adopted = cache.directory.keys_in("disk")
+            files = list(root.rglob("*.kv"))
+            assert not list(root.rglob("*.tmp")), "the restart scan removes temp files"
+            assert len(files) == len(adopted) <= 24, "every complete block is taken back; the bound holds"
+            recovered += len(adopted)
+            for key in adopted:
+                got = cache.load([key])
+                assert len(got) == 1 and torch.equal(got[0], content(key)), f"cycle {cycle}: {key!r} served wrong"
+                verified += 1
+    assert verified >= KILLS, "the kills left blocks to check"
+    print(f"\n{KILLS} kills, {recovered} blocks recovered, {verified} loaded and verified, 0 wrong")
+
+
+# ---------------------------------------------------------------- a full file system
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A tmpfs of 40 blocks' worth, mounted for the test (root only; in CI a failure to mount is a failure)."""
+    where = tmp_path / "fs"
+    where.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={40 * (P + 4096)}", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"cannot mount a tmpfs: {proc.stderr.strip()}")
+        pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_file_system_fails_stores_counts_them_and_serves_on(small_fs):
+    junk = small_fs / "junk.bin"
+    junk.write_bytes(b"\0" * (28 * (P + 4096)))  # another user of the file system leaves room for ~12 blocks
+    config = disk_config(small_fs / "kv", 4, 64, write_policy="write_through")
+    with TieredCache(config, SHAPE, DT, model="enospc") as cache:
+        keys = [b"e%d" % i for i in range(40)]
+        for key in keys:
+            cache.store([key], [content(key)])
+            cache.flush()
+        snap = cache.snapshot()
+        assert snap["stores_dropped"].get("disk_failed", 0) > 0, "ENOSPC: stores failed, and were counted"
+        on_disk = len(list((small_fs / "kv").rglob("*.kv")))
+        assert cache.directory.tier["disk"].used_blocks == on_disk < 40
+        assert not list(small_fs.rglob("*.tmp"))
+        for key in cache.directory.keys_in("disk"):  # what the full disk holds is whole, and served as it was
+            got = cache.load([key])
+            assert len(got) == 1 and torch.equal(got[0], content(key))
+        junk.unlink()  # the operator cleans up: stores succeed again
+        more = [b"m%d" % i for i in range(10)]
+        for key in more:
+            cache.store([key], [content(key)])
+            cache.flush()
+        assert len(list((small_fs / "kv").rglob("*.kv"))) > on_disk, "usage recovers"
+        assert all(torch.equal(cache.load([k])[0], content(k)) for k in more)
+
+
+# ---------------------------------------------------------------- tensor parallelism: one rank fails
+
+
+def failing(store, method: str, rng: random.Random, p: float, exc: type[Exception]):
+    """Make `store.method` raise `exc` with probability p (the store itself stays real)."""
+    real = getattr(store, method)
+
+    def maybe(*args, **kwargs):
+        if rng.random() < p:
+            raise exc(5, f"injected: {method} failed")
+        return real(*args, **kwargs)
+
+    setattr(store, method, maybe)
+
+
+def test_a_rank_that_fails_never_lets_another_serve_a_hit_it_cannot(tmp_path):
+    config = disk_config(tmp_path / "kv", 16, 40)  # 8 host slots per rank
+    config = parse_config({**config.model_dump(mode="json"), "engine_block_size": 16})
+    engine = Engine(config, world_size=2, lagging=0.5)  # rank 1 often reports a step's work a step later
+    rng = random.Random(1)
+    failing(engine.workers[0].stores.local["disk"], "write", rng, 0.15, OSError)  # it reports first: rank 1 lags
+    failing(engine.workers[0].stores.local["disk"], "read", rng, 0.15, OSError)
+    for method in ("run", "run_many"):  # a copy into its host slab: no checksum would catch its bytes
+        failing(engine.workers[0].mover._put, method, rng, 0.15, RuntimeError)
+    try:
+        chains = [[bytes([c, j]) * 16 for j in range(3)] for c in range(48)]
+        for round_ in range(6):  # 8 new chains a round (stores into a full host), and 8 seen before (loads)
+            for i, c in enumerate([*range(8 * round_, 8 * round_ + 8), *rng.sample(range(8 * round_ + 8), 8)]):
+                request = Request(f"r{round_}-{i}", chains[c])
+                while not engine.admit(request):
+                    engine.drain()
+                engine.run(request)
+            engine.drain()
+        assert engine.wrong == 0
+        assert engine.loaded > 20, "the tiers served hits"
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------- the connector under random traffic and faults
+
+
+class ConnectorMachine(RuleBasedStateMachine):
+    """Invariant: every block a load delivers (not reported failed) holds exactly its key's bytes."""
+
+    @initialize(seed=st.integers(0, 1 << 30), ranks=st.sampled_from([1, 2]))
+    def setup(self, seed: int, ranks: int) -> None:
+        import tempfile
+
+        self.root = tempfile.mkdtemp(prefix="kvtier-machine-")
+        self.rng = random.Random(seed)
+        self.ranks = ranks
+        self.engine = self._engine()
+        self.n = 0
+
+    def _engine(self) -> Engine:
+        config = parse_config({"cpu_bytes_to_use": 4 * P * self.ranks, "block_size": 16, "engine_block_size": 16,
+                               "secondary_tiers": [{"type": "fs", "root_dir": self.root, "max_bytes": 10 * (P + 4096)}]})
+        engine = Engine(config, world_size=self.ranks, num_blocks=32)
+        for worker in engine.workers:
+            disk = worker.stores.local["disk"]
+            failing(disk, "write", self.rng, 0.1, OSError)
+            failing(disk, "read", self.rng, 0.1, OSError)
+            failing(disk, "delete", self.rng, 0.05, OSError)
+        return engine
+
+    @rule(path=st.lists(st.integers(0, 2), min_size=1, max_size=5), abort=st.booleans())
+    def request(self, path: list[int], abort: bool) -> None:
+        hashes = [bytes(path[: i + 1]) + b"\x00" * (32 - i - 1) for i in range(len(path))]
+        self.n += 1
+        request = Request(f"q{self.n}", hashes)
+        if not self.engine.admit(request):
+            self.engine.drain()
+            return
+        self.engine.run(request, abort_before_output=abort and request.promised > 0)
+
+    @rule(burst=st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=5), st.booleans()),
+                         min_size=1, max_size=12))
+    def traffic(self, burst: list[tuple[list[int], bool]]) -> None:
+        for path, abort in burst:
+            self.request(path, abort)
+
+    @rule()
+    def drain(self) -> None:
+        self.engine.drain()
+
+    @rule()
+    def restart(self) -> None:
+        self.engine.drain()
+        self.engine.close()
+        wrong = self.engine.wrong
+        self.engine = self._engine()
+        self.engine.wrong = wrong
+
+    @invariant()
+    def no_wrong_block_served(self) -> None:
+        if hasattr(self, "engine"):
+            assert self.engine.wrong == 0
+
+    def teardown(self) -> None:
+        if hasattr(self, "engine"):
+            self.engine.drain()
+            self.engine.close()
+
+
+
+ConnectorMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
+                                              suppress_health_check=[HealthCheck.too_slow])
+TestConnectorMachine = ConnectorMachine.TestCase
