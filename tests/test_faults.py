@@ -186,8 +186,11 @@ class ConnectorMachine(RuleBasedStateMachine):
         for worker in engine.workers:
             disk = worker.stores.local["disk"]
             failing(disk, "write", self.rng, 0.1, OSError)
+            failing(disk, "write", self.rng, 0.05, RuntimeError)  # not an I/O error: a bug, still only a failure
             failing(disk, "read", self.rng, 0.1, OSError)
             failing(disk, "delete", self.rng, 0.05, OSError)
+            for method in ("run", "run_many"):
+                failing(worker.mover._put, method, self.rng, 0.05, RuntimeError)
         return engine
 
     @rule(path=st.lists(st.integers(0, 2), min_size=1, max_size=5), abort=st.booleans())
@@ -208,7 +211,13 @@ class ConnectorMachine(RuleBasedStateMachine):
 
     @rule()
     def drain(self) -> None:
+        """Once every transfer is done: no pin, no held engine block, every host slot free or holding a copy."""
         self.engine.drain()
+        d = self.engine.scheduler.directory
+        assert not d.pinned() and not d._retiring
+        host = d.tier["host"]
+        assert host.used_blocks == len(d.keys_in("host")) == host.capacity_blocks - len(host.free_slots)
+        assert sorted(self.engine.free) == list(range(32)) and not self.engine.held, "an engine block leaked"
 
     @rule()
     def restart(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvtier import FORMAT_VERSION
 from kvtier.keys import ROOT_KEY, Namespace, chain_keys, precomputed_keys
 
 
@@ -39,7 +40,8 @@ def test_namespace_digest_covers_every_field():
         Namespace(model="m", dtype="bfloat16", block_size=256, tenant_salt="t"),
         Namespace(model="m", dtype="bfloat16", block_size=256, kv_layout="HND"),
         Namespace(model="m", dtype="bfloat16", block_size=256, hash_algo="sha256_cbor"),
-        Namespace(model="m", dtype="bfloat16", block_size=256, format_version=2),
+        Namespace(model="m", dtype="bfloat16", block_size=256, auth="0123456789abcdef"),
+        Namespace(model="m", dtype="bfloat16", block_size=256, format_version=FORMAT_VERSION + 1),
     ]
     digests = {base.digest()} | {v.digest() for v in variants}
     assert len(digests) == 1 + len(variants)

@@ -5,4 +5,4 @@ the data plane (stores, mover, cache) imports torch.
 """
 
 __version__ = "0.1.0"
-FORMAT_VERSION = 1  # on-disk / shared-store block format; part of every namespace
+FORMAT_VERSION = 2  # on-disk / shared-store block format; part of every namespace (2: the header has a MAC)

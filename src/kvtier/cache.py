@@ -61,7 +61,7 @@ class TieredCache:
         self.namespace = namespace or Namespace(
             model=model or "in-process", dtype=str(dtype).removeprefix("torch."), block_size=config.block_size,
             kv_layout="x".join(map(str, self.block_shape)), rank=rank, world_size=world_size,
-            tenant_salt=config.tenant_salt,
+            tenant_salt=config.tenant_salt, auth=config.auth_fingerprint(),
         )
         specs = tier_specs(config, self.payload_nbytes, world_size)
         shared = shared_tier(config)

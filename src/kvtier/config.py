@@ -7,6 +7,7 @@ A user of vLLM's native offloading switches by changing the connector name: `cpu
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -146,6 +147,32 @@ class KVTierConfig(_Strict):
     secondary_tiers: list[SecondaryTier] = []
     queue_depth: PositiveInt = 64  # pending store jobs before stores are dropped (never blocking compute)
     tenant_salt: str = ""
+    # The name of an environment variable holding a secret: disk and redis blocks are signed with it, and only
+    # blocks signed with it are served (anyone who can write root_dir or the Redis server could plant others).
+    auth_key_env: str | None = Field(None, min_length=1)
+
+    @field_validator("auth_key_env")
+    @classmethod
+    def _secret_is_there(cls, name: str | None) -> str | None:
+        if name is not None:
+            value = os.environ.get(name, "")
+            if not value:
+                raise ValueError(f"environment variable {name} is not set: it must hold the secret")
+            if len(value.encode()) < 16:
+                raise ValueError(f"environment variable {name} holds under 16 bytes: too short for a secret")
+        return name
+
+    def auth_key(self) -> bytes | None:
+        """The key that signs blocks (derived from the secret, never the secret itself), or None."""
+        if self.auth_key_env is None:
+            return None
+        secret = os.environ.get(self.auth_key_env, "").encode()
+        return hashlib.blake2b(secret, digest_size=64, person=b"kvtier-key").digest()
+
+    def auth_fingerprint(self) -> str:
+        """What the namespace carries of the key: signed and unsigned deployments never share blocks."""
+        key = self.auth_key()
+        return "" if key is None else hashlib.blake2b(key, digest_size=8, person=b"kvtier-ns").hexdigest()
 
     @model_validator(mode="after")
     def _consistent(self) -> KVTierConfig:

@@ -72,6 +72,7 @@ class Namespace:
     world_size: int = 1
     hash_algo: str = "sha256"
     tenant_salt: str = ""
+    auth: str = ""  # a fingerprint of the key that signs blocks, if any (KVTierConfig.auth_fingerprint)
     format_version: int = FORMAT_VERSION
 
     def digest(self) -> str:

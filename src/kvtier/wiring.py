@@ -38,7 +38,7 @@ def build_stores(config: KVTierConfig, payload_nbytes: int, namespace: str, rank
     stores = Stores(HOST, slab, local)
     shared = shared_tier(config)
     if shared is not None:
-        stores.shared[shared[0]] = redis_store(shared[1], namespace, payload_nbytes)
+        stores.shared[shared[0]] = redis_store(shared[1], namespace, payload_nbytes, config.auth_key())
     return stores
 
 
@@ -48,7 +48,7 @@ def disk_stores(config: KVTierConfig, payload_nbytes: int, namespace: str, rank:
     try:
         for name, tier in local_tiers(config):
             stores[name] = DiskStore(tier.root_dir, namespace, rank, payload_nbytes, o_direct=tier.o_direct,
-                                     owner=owner)
+                                     owner=owner, auth_key=config.auth_key())
     except BaseException:  # a root another engine holds: give back what was claimed
         for store in stores.values():
             store.close()
@@ -56,14 +56,15 @@ def disk_stores(config: KVTierConfig, payload_nbytes: int, namespace: str, rank:
     return stores
 
 
-def redis_store(tier: RedisTierConfig, namespace: str, payload_nbytes: int) -> SharedStore:
+def redis_store(tier: RedisTierConfig, namespace: str, payload_nbytes: int,
+                auth_key: bytes | None = None) -> SharedStore:
     from kvtier.stores.redis import RedisStore  # redis-py loads only where a redis tier is configured
 
     breaker = CircuitBreaker(tier.breaker_failures, tier.breaker_cooldown_s)
     return RedisStore(
         tier.url, namespace, payload_nbytes, tier.max_bytes, key_prefix=tier.key_prefix,
         socket_timeout_s=tier.socket_timeout_s, connect_timeout_s=tier.connect_timeout_s,
-        pool_size=tier.pool_size, breaker=breaker, **tier.connection_kwargs(),
+        pool_size=tier.pool_size, breaker=breaker, auth_key=auth_key, **tier.connection_kwargs(),
     )  # fmt: skip
 
 

@@ -35,10 +35,11 @@ class ReadStatus(enum.Enum):
     MISSING = "missing"  # no such block (removed behind our back, or never written)
     CORRUPT = "corrupt"  # checksum, length or header mismatch: torn or flipped bytes
     FOREIGN = "foreign"  # a valid block of another namespace or another key
+    UNAUTHENTICATED = "unauthenticated"  # whole, but not signed with our key: written by whoever could write there
 
     @property
     def is_integrity_failure(self) -> bool:
-        return self in (ReadStatus.CORRUPT, ReadStatus.FOREIGN)
+        return self is not ReadStatus.OK and self is not ReadStatus.MISSING
 
 
 class PutStatus(enum.Enum):

@@ -1,13 +1,20 @@
 """The self-checking block header every persistent and shared tier writes before a block's payload.
 
-Fields: magic, format version, namespace, key, parent, payload length, xxh3 of the payload, and an xxh3 of
-all of these. A reader that knows which block it asked for (namespace, key, payload length) can then tell a
-valid block from a torn or flipped one (CORRUPT) and from a valid block of someone else (FOREIGN), and never
-serves either. The disk tier pads the header to 4096 bytes for O_DIRECT; the Redis tier stores it unpadded.
+Fields: magic, format version, namespace, key, parent, payload length, xxh3 of the payload, a MAC, and an
+xxh3 of all of these. A reader that knows which block it asked for (namespace, key, payload length) can then
+tell a valid block from a torn or flipped one (CORRUPT) and from a valid block of someone else (FOREIGN), and
+never serves either. The disk tier pads the header to 4096 bytes for O_DIRECT; the Redis tier stores it unpadded.
+
+A checksum is not a signature: whoever can write a shared root_dir or the Redis server can plant a block with
+a valid xxh3. With a secret (`auth_key_env`), the MAC is a keyed BLAKE2b of the block's names and its whole
+payload, and a reader with the key serves only blocks whose MAC it can recompute (UNAUTHENTICATED otherwise).
+Without a secret the MAC is zeros and not checked.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from collections.abc import Callable
 from typing import NamedTuple
@@ -19,7 +26,10 @@ from kvtier.stores.base import ReadStatus
 
 MAGIC = b"KVTIER\x00\x01"
 MAX_KEY = 128  # bytes, for keys and parents alike
-_FIELDS = struct.Struct("<8sI16sH128sBH128sQQ")  # magic version ns key_len key has_parent parent_len parent len xxh
+MAC_NBYTES = 32
+NO_MAC = bytes(MAC_NBYTES)
+# magic version ns key_len key has_parent parent_len parent len xxh mac
+_FIELDS = struct.Struct(f"<8sI16sH128sBH128sQQ{MAC_NBYTES}s")
 _CHECK = struct.Struct("<Q")  # xxh3_64 of the fields above
 HEADER_NBYTES = _FIELDS.size + _CHECK.size  # what the header needs; a tier may pad it
 
@@ -30,6 +40,7 @@ class Header(NamedTuple):
     parent: bytes | None
     payload_nbytes: int
     payload_xxh3: int
+    mac: bytes = NO_MAC
 
 
 def check_key(key: bytes, what: str = "key") -> None:
@@ -43,12 +54,13 @@ def payload_checksum(payload: bytes | memoryview) -> int:
 
 def pack_header(
     buf: memoryview | bytearray, namespace: bytes, key: bytes, parent: bytes | None, payload_nbytes: int,
-    payload_xxh3: int,
+    payload_xxh3: int, mac: bytes = NO_MAC,
 ) -> None:
     """Write the header into `buf[:HEADER_NBYTES]`; bytes after it are the caller's (padding or payload)."""
     p = parent or b""
     fields = _FIELDS.pack(
-        MAGIC, FORMAT_VERSION, namespace, len(key), key, parent is not None, len(p), p, payload_nbytes, payload_xxh3
+        MAGIC, FORMAT_VERSION, namespace, len(key), key, parent is not None, len(p), p, payload_nbytes, payload_xxh3,
+        mac,
     )
     buf[: len(fields)] = fields
     _CHECK.pack_into(buf, len(fields), xxhash.xxh3_64_intdigest(fields))
@@ -61,7 +73,7 @@ def parse_header(buf: bytes | memoryview) -> Header | None:
     """
     if len(buf) < HEADER_NBYTES or bytes(buf[:8]) != MAGIC:
         return None
-    _magic, version, ns, klen, key, has_parent, plen, parent, length, xxh = _FIELDS.unpack_from(buf)
+    _magic, version, ns, klen, key, has_parent, plen, parent, length, xxh, mac = _FIELDS.unpack_from(buf)
     if version != FORMAT_VERSION:
         return Header(None, b"", None, 0, 0)
     (check,) = _CHECK.unpack_from(buf, _FIELDS.size)
@@ -69,7 +81,7 @@ def parse_header(buf: bytes | memoryview) -> Header | None:
         return None
     if not 0 < klen <= MAX_KEY or plen > MAX_KEY or (has_parent and plen == 0):
         return None
-    return Header(ns, key[:klen], parent[:plen] if has_parent else None, length, xxh)
+    return Header(ns, key[:klen], parent[:plen] if has_parent else None, length, xxh, mac)
 
 
 def classify(
@@ -89,3 +101,21 @@ def classify(
 def payload_ok(header: Header, payload: bytes | memoryview) -> bool:
     """The payload is the one the header describes (length and checksum)."""
     return len(payload) == header.payload_nbytes and payload_checksum(payload) == header.payload_xxh3
+
+
+def mac_of(secret: bytes, namespace: bytes, key: bytes, parent: bytes | None, payload: bytes | memoryview) -> bytes:
+    """The keyed BLAKE2b of a block: its names, each with its length in front, then its whole payload."""
+    mac = hashlib.blake2b(key=secret, digest_size=MAC_NBYTES, person=b"kvtier-block")
+    for part in (namespace, key, parent if parent is not None else b""):
+        mac.update(len(part).to_bytes(2, "big") + part)
+    mac.update(b"\x01" if parent is not None else b"\x00")
+    mac.update(payload)
+    return mac.digest()
+
+
+def authentic(header: Header, payload: bytes | memoryview, secret: bytes | None) -> bool:
+    """Without a secret every block is; with one, only those whose MAC it recomputes."""
+    if secret is None:
+        return True
+    assert header.namespace is not None
+    return hmac.compare_digest(header.mac, mac_of(secret, header.namespace, header.key, header.parent, payload))

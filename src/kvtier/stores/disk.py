@@ -20,86 +20,40 @@ import re
 import secrets
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import xxhash
 
-from kvtier.layout import ALIGN, DISK_HEADER_NBYTES, disk_footprint, round_up
+from kvtier.layout import DISK_HEADER_NBYTES, disk_footprint, round_up
 from kvtier.stores import blockformat
 from kvtier.stores.base import ReadStatus, RecoveredBlock
 from kvtier.stores.blockformat import Header, check_key, parse_header
 from kvtier.stores.claim import claim, release
+from kvtier.stores.files import DIR, DIRECT, RD, WR, aligned, buffer_of, file_name, open_private_dir, subdir, transfer
 
 HEADER_NBYTES = DISK_HEADER_NBYTES  # blockformat's header, zero-padded to the O_DIRECT alignment
-_LONG_KEY = 96  # longer keys get a hashed file name: 2 * 128 hex chars would pass NAME_MAX (255)
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_RD = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a planted FIFO cannot hang us
-_WR = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_DIRECT = getattr(os, "O_DIRECT", 0)
-
-
-def file_name(key: bytes) -> str:
-    """`<key hex>.kv`, or `h<xxh3_128 hex>.kv` for keys too long for a file name (the header holds the key)."""
-    stem = key.hex() if len(key) <= _LONG_KEY else "h" + xxhash.xxh3_128_hexdigest(key)
-    return stem + ".kv"
-
-
-def _subdir(name: str) -> str:
-    return name[:2] if name[0] != "h" else name[1:3]
-
-
-def _buffer(t: torch.Tensor, nbytes: int, what: str) -> memoryview:
-    """A zero-copy byte view of a CPU uint8 tensor of exactly `nbytes`."""
-    if t.device.type != "cpu" or t.dtype != torch.uint8 or not t.is_contiguous() or t.numel() != nbytes:
-        raise ValueError(
-            f"{what} must be a contiguous CPU uint8 tensor of {nbytes} bytes, "
-            f"got {t.dtype} {tuple(t.shape)} on {t.device}"
-        )
-    return memoryview(t.numpy()).cast("B")
-
-
-def _aligned(t: torch.Tensor, nbytes: int) -> bool:
-    return t.data_ptr() % ALIGN == 0 and nbytes % ALIGN == 0
-
-
-def _transfer(fn: Callable[[int, list[memoryview], int], int], fd: int, bufs: list[memoryview], offset: int = 0) -> int:
-    """pwritev/preadv until every byte moved or EOF (a call moving 0); returns the count moved.
-
-    Loops because one call moves at most ~2 GiB; callers know the file size, so O_DIRECT never reads past EOF.
-    """
-    done, bufs = 0, [b for b in bufs if len(b)]
-    while bufs:
-        n = fn(fd, bufs, offset + done)
-        if n == 0:
-            break
-        done += n
-        while bufs and n >= len(bufs[0]):
-            n -= len(bufs.pop(0))
-        if n:
-            bufs[0] = bufs[0][n:]
-    return done
-
-
 class DiskStore:
     """Blocks of one namespace and rank as files under `root_dir`; safe to drive from many threads."""
 
     def __init__(
         self, root_dir: str | Path, namespace: str, rank: int, payload_nbytes: int, o_direct: bool = True,
-        owner: str | None = None,
+        owner: str | None = None, auth_key: bytes | None = None,
     ) -> None:
         """`owner`: the engine this store works for; given, the store claims `root_dir` for it (one engine per
-        root: `kvtier.stores.claim`) until `close`."""
+        root: `kvtier.stores.claim`) until `close`. `auth_key`: blocks are signed with it, and served only if
+        signed with it (`blockformat.mac_of`)."""
         if not re.fullmatch(r"[0-9a-f]{32}", namespace):
             raise ValueError(f"namespace must be 32 lowercase hex chars (Namespace.digest()), got {namespace!r}")
         if rank < 0 or payload_nbytes <= 0:
             raise ValueError(f"need rank >= 0 and payload_nbytes > 0, got {rank}, {payload_nbytes}")
         self.root = Path(root_dir).resolve()  # resolved once; nothing below it is followed
         self.namespace, self.rank, self.payload_nbytes = namespace, rank, payload_nbytes
+        self._auth = auth_key
         self._ns = bytes.fromhex(namespace)
         self.padded_nbytes = round_up(payload_nbytes)
-        self.direct = bool(o_direct and _DIRECT)  # becomes False if the file system refuses O_DIRECT
+        self.direct = bool(o_direct and DIRECT)  # becomes False if the file system refuses O_DIRECT
         self._local = threading.local()
         self.dir = self.root / namespace / str(rank)
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -107,23 +61,11 @@ class DiskStore:
         if owner is not None:
             claim(self.root, owner)  # before touching anything below the root
         try:
-            self._dir_fd: int | None = self._open_dir(namespace, rank)
+            self._dir_fd: int | None = open_private_dir(self.root, (namespace, str(rank)))
         except BaseException:
             if owner is not None:
                 release(self.root, owner)
             raise
-
-    def _open_dir(self, namespace: str, rank: int) -> int:
-        fd = os.open(self.root, _DIR)
-        for part in (namespace, str(rank)):  # O_NOFOLLOW: a link in place of our directory is refused
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(part, 0o700, dir_fd=fd)
-            try:
-                part_fd = os.open(part, _DIR, dir_fd=fd)
-            finally:
-                os.close(fd)
-            fd = part_fd
-        return fd
 
     @property
     def footprint(self) -> int:
@@ -156,13 +98,13 @@ class DiskStore:
 
     # -- paths ------------------------------------------------------------------------------------------
 
-    def _open_subdir(self, name: str, create: bool) -> int | None:
+    def _opensubdir(self, name: str, create: bool) -> int | None:
         """fd of the block's subdirectory (None if missing); a symlink there is removed, never followed."""
         if self._dir_fd is None:
             raise ValueError("DiskStore is closed")
-        sub = _subdir(name)
+        sub = subdir(name)
         try:
-            return os.open(sub, _DIR, dir_fd=self._dir_fd)
+            return os.open(sub, DIR, dir_fd=self._dir_fd)
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.ENOTDIR):
                 os.unlink(sub, dir_fd=self._dir_fd)  # a link or a stray file where our directory belongs
@@ -172,12 +114,13 @@ class DiskStore:
             return None
         with contextlib.suppress(FileExistsError):
             os.mkdir(sub, 0o700, dir_fd=self._dir_fd)
-        return os.open(sub, _DIR, dir_fd=self._dir_fd)
+        return os.open(sub, DIR, dir_fd=self._dir_fd)
 
     # -- header -----------------------------------------------------------------------------------------
 
-    def _pack_header(self, buf: memoryview, key: bytes, parent: bytes | None, payload_xxh: int) -> None:
-        blockformat.pack_header(buf, self._ns, key, parent, self.payload_nbytes, payload_xxh)
+    def _pack_header(self, buf: memoryview, key: bytes, parent: bytes | None, payload: memoryview) -> None:
+        mac = blockformat.mac_of(self._auth, self._ns, key, parent, payload) if self._auth else blockformat.NO_MAC
+        blockformat.pack_header(buf, self._ns, key, parent, self.payload_nbytes, xxhash.xxh3_64_intdigest(payload), mac)
         buf[blockformat.HEADER_NBYTES :] = bytes(HEADER_NBYTES - blockformat.HEADER_NBYTES)
 
     _parse_header = staticmethod(parse_header)
@@ -194,7 +137,7 @@ class DiskStore:
         """(fd, opened with O_DIRECT); on EINVAL for O_DIRECT drop to buffered I/O for the store's life."""
         if self.direct:
             try:
-                return os.open(name, flags | _DIRECT, 0o600, dir_fd=dir_fd), True
+                return os.open(name, flags | DIRECT, 0o600, dir_fd=dir_fd), True
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
@@ -206,18 +149,18 @@ class DiskStore:
         check_key(key)
         if parent is not None:
             check_key(parent, "parent")
-        payload = _buffer(src, self.payload_nbytes, "src")
+        payload = buffer_of(src, self.payload_nbytes, "src")
         name = file_name(key)
-        sub = self._open_subdir(name, create=True)
+        sub = self._opensubdir(name, create=True)
         assert sub is not None
         tmp = f"{name[:-3]}.{secrets.token_hex(8)}.tmp"
         try:
-            fd, direct = self._open_file(tmp, _WR, sub)
+            fd, direct = self._open_file(tmp, WR, sub)
             try:
                 header = self._header_buf()
-                self._pack_header(header, key, parent, xxhash.xxh3_64_intdigest(payload))
+                self._pack_header(header, key, parent, payload)
                 pad = memoryview(bytes(self.padded_nbytes - self.payload_nbytes))
-                if not direct or _aligned(src, self.payload_nbytes):
+                if not direct or aligned(src, self.payload_nbytes):
                     bufs = [header, payload, pad]  # O_DIRECT straight from the caller's (slot) buffer
                 else:
                     bounce = self._bounce()
@@ -225,7 +168,7 @@ class DiskStore:
                     bounce[HEADER_NBYTES : HEADER_NBYTES + self.payload_nbytes] = payload
                     bounce[HEADER_NBYTES + self.payload_nbytes :] = pad
                     bufs = [bounce]
-                written = _transfer(os.pwritev, fd, bufs)
+                written = transfer(os.pwritev, fd, bufs)
                 if written != self.footprint:
                     raise OSError(errno.EIO, f"short write of {tmp}: {written} of {self.footprint} bytes")
             finally:
@@ -244,14 +187,14 @@ class DiskStore:
         A CORRUPT or FOREIGN file is removed: it can never be served.
         """
         check_key(key)
-        out = _buffer(into, self.payload_nbytes, "into")
+        out = buffer_of(into, self.payload_nbytes, "into")
         name = file_name(key)
-        sub = self._open_subdir(name, create=False)
+        sub = self._opensubdir(name, create=False)
         if sub is None:
             return ReadStatus.MISSING
         try:
             try:
-                fd, direct = self._open_file(name, _RD, sub)
+                fd, direct = self._open_file(name, RD, sub)
             except FileNotFoundError:
                 return ReadStatus.MISSING
             except OSError as e:
@@ -282,19 +225,21 @@ class DiskStore:
 
     def _read_verified(self, fd: int, direct: bool, name: str, into: torch.Tensor, out: memoryview) -> ReadStatus:
         """Read a file of the right size: header, then payload checksum; straight into `into` when we can."""
-        if direct and not _aligned(into, self.payload_nbytes):
+        if direct and not aligned(into, self.payload_nbytes):
             bounce = self._bounce()
-            got, want = _transfer(os.preadv, fd, [bounce]), self.footprint
+            got, want = transfer(os.preadv, fd, [bounce]), self.footprint
             header, payload = bounce[:HEADER_NBYTES], bounce[HEADER_NBYTES : HEADER_NBYTES + self.payload_nbytes]
         else:  # O_DIRECT into an aligned slot, or buffered (the padding is not read)
             header, payload = self._header_buf(), out
-            got, want = _transfer(os.preadv, fd, [header, out]), HEADER_NBYTES + self.payload_nbytes
+            got, want = transfer(os.preadv, fd, [header, out]), HEADER_NBYTES + self.payload_nbytes
         parsed = self._parse_header(header[: min(got, HEADER_NBYTES)])
         status = self._classify(parsed, name, self.footprint)
         if status is not ReadStatus.OK:
             return status
         if got != want or xxhash.xxh3_64_intdigest(payload) != parsed.payload_xxh3:
             return ReadStatus.CORRUPT
+        if not blockformat.authentic(parsed, payload, self._auth):
+            return ReadStatus.UNAUTHENTICATED
         if payload is not out:
             out[:] = payload
         return ReadStatus.OK
@@ -315,7 +260,7 @@ class DiskStore:
         """Remove block `key`; True if a file was removed, False if there was none."""
         check_key(key)
         name = file_name(key)
-        sub = self._open_subdir(name, create=False)
+        sub = self._opensubdir(name, create=False)
         if sub is None:
             return False
         try:
@@ -335,7 +280,7 @@ class DiskStore:
             if not stat.S_ISDIR(st.st_mode):
                 yield None, self._dir_fd, sub_name, st
             elif re.fullmatch(r"[0-9a-f]{2}", sub_name):  # other directories are not ours to judge: left alone
-                sub = os.open(sub_name, _DIR, dir_fd=self._dir_fd)
+                sub = os.open(sub_name, DIR, dir_fd=self._dir_fd)
                 try:
                     with os.scandir(sub) as it:
                         entries = [(e.name, e.stat(follow_symlinks=False)) for e in it]
@@ -360,7 +305,7 @@ class DiskStore:
                 reason: str | None = "symlink"
             elif sub_name is not None and stat.S_ISREG(st.st_mode) and name.endswith(".tmp"):
                 reason = "temp"
-            elif sub_name is None or not stat.S_ISREG(st.st_mode) or _subdir(name) != sub_name:
+            elif sub_name is None or not stat.S_ISREG(st.st_mode) or subdir(name) != sub_name:
                 reason = "foreign"  # not a file, or not where its name would put it
             else:
                 reason = self._scan_file(sub, name, st, blocks)
@@ -372,7 +317,7 @@ class DiskStore:
     def _scan_file(self, sub: int, name: str, st: os.stat_result, out: list[RecoveredBlock]) -> str | None:
         """Check one file's header and size: append it to `out` if valid, else return why it goes."""
         try:
-            fd = os.open(name, _RD, dir_fd=sub)
+            fd = os.open(name, RD, dir_fd=sub)
         except OSError as e:
             return "symlink" if e.errno == errno.ELOOP else None
         try:

@@ -118,10 +118,12 @@ class RedisStore:
         connect_timeout_s: float = 0.5,
         pool_size: int = 16,
         breaker: CircuitBreaker | None = None,
+        auth_key: bytes | None = None,
         **connection_kwargs: Any,
     ) -> None:
         """`connection_kwargs` go to redis-py's connection (ssl_ca_certs, ssl_certfile, ...); TLS and
-        credentials can also come in the URL (rediss://user:password@host:port/db)."""
+        credentials can also come in the URL (rediss://user:password@host:port/db). `auth_key`: blocks are
+        signed with it, and served only if signed with it (`blockformat.mac_of`)."""
         if not re.fullmatch(r"[0-9a-f]{32}", namespace):
             raise ValueError(f"namespace must be 32 lowercase hex chars (Namespace.digest()), got {namespace!r}")
         self.namespace, self.payload_nbytes, self.max_bytes = namespace, payload_nbytes, max_bytes
@@ -130,6 +132,7 @@ class RedisStore:
             raise ValueError(f"max_bytes ({max_bytes}) holds no block of {self.value_nbytes} bytes")
         self.key_prefix = key_prefix
         self._ns = bytes.fromhex(namespace)
+        self._auth = auth_key
         self._prefix = key_prefix.encode()
         self.breaker = breaker or CircuitBreaker()
         self._pool = redis.BlockingConnectionPool.from_url(
@@ -173,8 +176,9 @@ class RedisStore:
         for i, (key, parent, payload) in enumerate(items):
             view = _byte_view(payload, self.payload_nbytes, "payload")
             header = bytearray(blockformat.HEADER_NBYTES)
+            mac = blockformat.mac_of(self._auth, self._ns, key, parent, view) if self._auth else blockformat.NO_MAC
             blockformat.pack_header(header, self._ns, key, parent, self.payload_nbytes,
-                                    blockformat.payload_checksum(view))  # fmt: skip
+                                    blockformat.payload_checksum(view), mac)  # fmt: skip
             tmp = self._prefix + b"!tmp:" + token + b":%d" % i
             small += b"*5\r\n$3\r\nSET\r\n" + _bulk(tmp) + b"$%d\r\n" % self.value_nbytes + header
             chunks += [small, view]
@@ -261,6 +265,8 @@ class RedisStore:
         payload = view[blockformat.HEADER_NBYTES :]
         if header is None or not blockformat.payload_ok(header, payload):
             return ReadStatus.CORRUPT
+        if not blockformat.authentic(header, payload, self._auth):
+            return ReadStatus.UNAUTHENTICATED
         out[:] = payload
         return ReadStatus.OK
 

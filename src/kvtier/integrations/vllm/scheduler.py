@@ -306,7 +306,9 @@ class SchedulerSide:
     def _shared_store(self) -> SharedStore | None:
         """The scheduler's own client of the shared tier, for lookups (rank 0's namespace stands for all)."""
         found = shared_tier(self.config)
-        return None if found is None else redis_store(found[1], self.geo.namespace(rank=0), self.geo.block_nbytes)
+        if found is None:
+            return None
+        return redis_store(found[1], self.geo.namespace(rank=0), self.geo.block_nbytes, self.config.auth_key())
 
     def _recover(self) -> None:
         """A restart takes back what the disk tiers of every rank hold (headers only: metadata, no payloads)."""

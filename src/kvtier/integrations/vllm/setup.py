@@ -26,6 +26,7 @@ class Geometry:
     kv_layout: str
     hash_algo: str
     tenant_salt: str
+    auth: str = ""  # KVTierConfig.auth_fingerprint
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # vLLM's instance id: all its processes know it
 
     @property
@@ -45,6 +46,7 @@ class Geometry:
         return Namespace(
             model=self.model, dtype=self.dtype, block_size=self.block_tokens, kv_layout=self.kv_layout,
             rank=rank, world_size=self.world_size, hash_algo=self.hash_algo, tenant_salt=self.tenant_salt,
+            auth=self.auth,
         ).digest()
 
 
@@ -74,6 +76,7 @@ def geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KV
         kv_layout=str(kv_cache_config.kv_cache_layout or type(spec).__name__),
         hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
         tenant_salt=config.tenant_salt,
+        auth=config.auth_fingerprint(),
         engine_id=str(getattr(vllm_config, "instance_id", "") or uuid.uuid4().hex),
     )
 
