@@ -344,17 +344,23 @@ def test_an_asynchronous_load_never_runs_on_the_engine_thread(tmp_path):
         engine.close()
 
 
-def test_an_aborted_request_stores_only_blocks_that_were_filled(redis_server):
-    """exp7: a request aborted while its shared-tier fetch was cut short planned PUTs (and write-through) of
-    engine blocks its own load job had declared unavailable."""
+def scheduler_with_a_seeded_redis(redis_server, n: int) -> tuple[SchedulerSide, list[bytes], list[bytes]]:
+    """A scheduler half with a Redis tier that already holds one chain of `n` blocks (another engine's)."""
     geo = geometry()
     config = parse_config({"cpu_bytes_to_use": 16 * P, "block_size": 16, "engine_block_size": 16,
                            "secondary_tiers": [{"type": "redis", "url": redis_server.url, "max_bytes": 64 * (P + 600)}]})
-    hashes = [bytes([i]) * 32 for i in range(1, 5)]
+    hashes = [bytes([i]) * 32 for i in range(1, n + 1)]
     keys = [h + b"\x00\x00" for h in hashes]
-    seeded = RedisStore(redis_server.url, geo.namespace(0), P, 64 * (P + 600))
-    seeded.put_many([(k, keys[i - 1] if i else None, torch.zeros(P, dtype=torch.uint8)) for i, k in enumerate(keys)])
-    s = SchedulerSide(config, geo)
+    other = RedisStore(redis_server.url, geo.namespace(0), P, 64 * (P + 600))
+    other.put_many([(k, keys[i - 1] if i else None, torch.zeros(P, dtype=torch.uint8)) for i, k in enumerate(keys)])
+    other.close()
+    return SchedulerSide(config, geo), hashes, keys
+
+
+def test_an_aborted_request_stores_only_blocks_that_were_filled(redis_server):
+    """exp7: a request aborted while its shared-tier fetch was cut short planned PUTs (and write-through) of
+    engine blocks its own load job had declared unavailable."""
+    s, hashes, keys = scheduler_with_a_seeded_redis(redis_server, 4)
     q, r = request("Q", hashes[:2]), request("R", hashes)
     s.get_num_new_matched_tokens(q, 0), s.get_num_new_matched_tokens(r, 0)
     time.sleep(0.3)  # the shared tier answers both lookups
@@ -373,20 +379,12 @@ def test_an_aborted_request_stores_only_blocks_that_were_filled(redis_server):
             for b in job.sources[st.index] if b is not None}
     assert not read & set(load.unavailable), "a PUT reads engine blocks that were never filled"
     assert not read & {b for t in load.targets for b in t if b is not None}, "a PUT reads blocks still loading"
-    seeded.close()
 
 
 def test_the_first_block_fetched_after_a_local_hit_keeps_its_parent(redis_server):
     """Found by reading: the first block fetched from Redis after vLLM's own prefix hit got parent=None, outside
     the drop cascade and the orphan audit."""
-    geo = geometry()
-    config = parse_config({"cpu_bytes_to_use": 16 * P, "block_size": 16, "engine_block_size": 16,
-                           "secondary_tiers": [{"type": "redis", "url": redis_server.url, "max_bytes": 64 * (P + 600)}]})
-    hashes = [bytes([i]) * 32 for i in range(1, 4)]
-    keys = [h + b"\x00\x00" for h in hashes]
-    seeded = RedisStore(redis_server.url, geo.namespace(0), P, 64 * (P + 600))
-    seeded.put_many([(k, keys[i - 1] if i else None, torch.zeros(P, dtype=torch.uint8)) for i, k in enumerate(keys)])
-    s = SchedulerSide(config, geo)
+    s, hashes, keys = scheduler_with_a_seeded_redis(redis_server, 3)
     r = request("R", hashes)
     s.get_num_new_matched_tokens(r, 16)  # vLLM holds the first block itself; kvtier does not
     time.sleep(0.3)
@@ -401,7 +399,6 @@ def test_the_first_block_fetched_after_a_local_hit_keeps_its_parent(redis_server
     s.update_connector_output(KVTierWorkerMetadata({st.id: (Status.OK, 1) for c in load.chains for st in c}), {"R"})
     assert keys[1] not in d and keys[2] not in d, "served to this request; kept, they would be orphans"
     assert not d._retiring and d.tier["host"].used_blocks == 0
-    seeded.close()
 
 
 def test_failed_disk_deletes_keep_their_bytes_counted(tmp_path):
