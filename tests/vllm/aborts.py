@@ -4,8 +4,9 @@
 
 A is served once, alone. Then P, Q, R and S (1,900 tokens each, 300 to generate) arrive together against 48
 engine blocks of 128 tokens: three fit, and as they decode vLLM must preempt; Q is aborted while it decodes and
-S while it waits, through vLLM's abort API. Fillers then push A out of the engine, and A comes back alone (from
-kvtier's tiers). Afterwards: vLLM's free blocks, kvtier's pins and pending work.
+S while it waits, through vLLM's abort API. Fillers then push A out of the engine; A comes back and is aborted
+while kvtier loads it, then comes back alone (from kvtier's tiers). Afterwards: vLLM's free blocks, kvtier's pins
+and pending work.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def main() -> None:
     first = drive({name: (1900, 300) for name in "PQRS"}, aborts={40: "Q", 60: "S"})
     for filler in ("E", "F", "G"):
         drive({filler: (2048, 4)})
+    idle()
+    drive({"A": (2048, 4)}, aborts={1: "A"})  # aborted right after the step that starts its load from kvtier
     idle()
     again = drive({"A": (2048, 4)})["A"]
     idle()
