@@ -172,16 +172,18 @@ def _summarize(name: str, extra: dict | None, engine_blocks: int, result: dict) 
 def _table(report: dict) -> Any:
     from rich.table import Table
 
-    table = Table(title=f"kvtier rollout on vLLM (CPU): {report['requests']} requests, {report['concurrency']} at a time")
+    table = Table(title=f"kvtier rollout on vLLM (CPU): {report['requests']} requests, {report['concurrency']} at a "
+                  "time; exact: requests with the reference's cached length that match it bit for bit",
+                  title_justify="left")
     for col in ("configuration", "TTFT p50/p95/p99 ms", "ITL p50/p99 ms", "engine", "host", "disk", "recomputed",
-                "moved MiB", "exact vs reference", "other cached length: same tokens"):
+                "moved MiB", "exact", "other length: same tokens"):
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for c in report["configurations"]:
         t, i, tok = c["ttft_ms"], c["itl_ms"], c["tokens"]
         moved = sum(c["bytes_moved"].values()) / 2**20
         e = c.get("exactness")
         verdict = "" if e is None or e["exact"] else " FAILED" if report["exactness_required"] else " (batched)"
-        exact = "(the reference)" if e is None else f"{e['identical']}/{e['compared']}{verdict}"
+        exact = "—" if e is None else f"{e['identical']}/{e['compared']}{verdict}"
         others = "" if e is None else f"{e['others_same_tokens']}/{e['others']}"
         table.add_row(c["name"], f"{t['p50']:.0f} / {t['p95']:.0f} / {t['p99']:.0f}", f"{i['p50']:.1f} / {i['p99']:.1f}",
                       f"{tok['engine']:,}", f"{tok.get('host', 0):,}", f"{tok.get('disk', 0):,}", f"{tok['recomputed']:,}",
