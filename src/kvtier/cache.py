@@ -32,7 +32,7 @@ from kvtier.metrics import Metrics
 from kvtier.mover.copy import ready_event
 from kvtier.policies.base import DEFAULT_PRIORITY
 from kvtier.sizing import shared_spec, shared_tier, tier_specs
-from kvtier.stores.blockformat import MAX_KEY
+from kvtier.stores.blockformat import check_key
 from kvtier.wiring import build_mover, build_stores, recover
 
 
@@ -194,7 +194,6 @@ class TieredCache:
 
 
 def _check_keys(call: str, keys: Sequence[bytes]) -> None:
-    """Keys every tier can hold: a block's header names its key, and a header has room for MAX_KEY bytes."""
+    """Keys every tier can hold: a block's header names its key, and has room for so many bytes only."""
     for i, key in enumerate(keys):
-        if not 0 < len(key) <= MAX_KEY:
-            raise ValueError(f"{call}: key {i} is {len(key)} bytes; keys are 1 to {MAX_KEY} bytes")
+        check_key(key, f"{call}: key {i}")

@@ -93,7 +93,5 @@ class SharedTierPlans(BlockTable):
         if step.id not in self._pinning:
             return False
         self._pinning.discard(step.id)
-        block = self._blocks.get(step.key) or self._retiring.get(step.key)
-        if block is not None:
-            self._unpin([block.key])
+        self._unpin([step.key])
         return True

@@ -231,12 +231,11 @@ class BlockTable:
         lower = self.tiers[tier.index + 1 :]
         if demote and lower and not any(t.name in block.copies for t in lower):
             self._copy_down(block, tier, lower[0], chain, src_slot=copy.slot)
+        tier.used_blocks -= 1
         if tier.spec.slotted:
             tier.free_slots.append(copy.slot)
-            tier.used_blocks -= 1
         else:
             chain.append(self._delete(tier.name, block.key))  # its bytes go to the incoming block
-            tier.used_blocks -= 1
         if not block.copies and block.key in self._blocks:
             self._drop(block)
 

@@ -5,8 +5,8 @@ destination medium); `shared` the batched traffic of a shared tier; `copy` the b
 the caller's tensors and host slots.
 """
 
-from kvtier.mover.copy import CallerBlock, copy_from_slot, copy_into_slot
+from kvtier.mover.copy import CallerBlock
 from kvtier.mover.handlers import Reporter
 from kvtier.mover.mover import Mover
 
-__all__ = ["CallerBlock", "Mover", "Reporter", "copy_from_slot", "copy_into_slot"]
+__all__ = ["CallerBlock", "Mover", "Reporter"]

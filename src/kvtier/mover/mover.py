@@ -222,7 +222,7 @@ class Mover:
                 status, nbytes = self._run_step(step, io)
                 if status is Status.OK and step.op is not Op.DELETE:
                     self.metrics.observe_move(step.src, step.dst, nbytes, time.perf_counter() - start)
-                elif status is Status.FAILED and step.op is not Op.DELETE:  # ENOSPC, EIO, ...: counted, served on
+                elif status is Status.FAILED and step.op in (Op.PUT, Op.COPY):  # ENOSPC, EIO...: counted, served on
                     self.metrics.count("stores_dropped", f"{step.dst}_failed")
                 if status is Status.OK and step.op is Op.GET and delivered is not None:
                     delivered[step.index] = True
