@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
+from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.messages import KVTierWorkerMetadata
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.setup import Geometry
@@ -39,6 +40,10 @@ def content(block_hash: bytes, rank: int) -> torch.Tensor:
     return torch.randint(0, 256, (P,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
+# What the scheduler half reads of vLLM's SchedulerOutput: no request scheduled for the first time, work to do.
+STEP = SimpleNamespace(scheduled_new_reqs=[], total_num_scheduled_tokens=1)
+
+
 @dataclass
 class Request:
     request_id: str
@@ -47,10 +52,21 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     promised: int = 0
     is_async: bool = False
+    num_output_tokens: int = 0
+    arrival_time: float = 0.0
 
     @property
     def num_tokens(self) -> int:
         return TOKENS * len(self.block_hashes) + 1
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.num_tokens
+
+
+def loading_all(config: KVTierConfig) -> KVTierConfig:
+    """These tests are about what a load delivers, not whether it is worth it: every block found is loaded."""
+    return config.model_copy(update={"load_policy": "always"})
 
 
 class Engine:
@@ -58,7 +74,7 @@ class Engine:
         """`lagging`: the share of steps in which a rank (not rank 0) reports before its background work is done,
         so that ranks report one step's work in different steps, as they do in a busy engine."""
         geo = geometry(world_size)
-        self.scheduler = SchedulerSide(config, geo)
+        self.scheduler = SchedulerSide(loading_all(config), geo)
         self.workers = [WorkerSide(config, geo, rank) for rank in range(world_size)]
         self.kv = [torch.zeros(num_blocks, P, dtype=torch.uint8) for _ in self.workers]
         for worker, kv in zip(self.workers, self.kv):
@@ -119,7 +135,7 @@ class Engine:
     def step(self, finish: list[Request] = ()) -> set[int]:
         """Metadata down, every worker's work, outputs up (`finish`: requests aborted in between, as vLLM
         processes aborts after the step ran and before its output is handled). Returns the failed blocks."""
-        meta = self.scheduler.build_connector_meta(idle=False)
+        meta = self.scheduler.build_connector_meta(STEP)
         for worker in self.workers:
             worker.start(meta)
         for request in finish:

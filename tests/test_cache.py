@@ -173,3 +173,55 @@ def test_wrong_block_shape_is_refused(tmp_path):
     with TieredCache(make_config(tmp_path, 8), SHAPE, torch.bfloat16, model="test") as cache:
         with pytest.raises(ValueError, match="shape"):
             cache.store(keys_for(1), [torch.zeros(3, 3, dtype=torch.bfloat16)])
+
+
+def test_the_guard_in_process_turns_off_the_tier_whose_requests_break_the_budget_and_probes_it_back(tmp_path):
+    from kvtier.config import parse_config
+
+    now = [0.0]
+    guard = {"ttft_p99_ms": 100, "window_s": 1, "breach_windows": 1, "of_windows": 1, "min_requests": 2,
+             "hold_s": 5, "probe_share": 1.0}
+    config = parse_config({**make_config(tmp_path, 4, 32).model_dump(mode="json"), "guard": guard})
+    with TieredCache(config, SHAPE, torch.bfloat16, model="test", clock=lambda: now[0]) as cache:
+        keys, blocks = keys_for(9), random_blocks(9, seed=3)
+        for i in range(0, 9, 3):  # the host holds 4: the first blocks end up on disk only
+            cache.store(keys[i : i + 3], blocks[i : i + 3], parent=keys[i - 1] if i else None)
+            cache.flush()
+        assert cache.directory.lookup(keys[:2]) == ["disk", "disk"]
+
+        def serve(rid: str, ttft_s: float) -> int:
+            got = cache.load(keys[:2], request=rid)
+            cache.report(rid, ttft_s=ttft_s)
+            return len(got)
+
+        def push_out_of_host(salt: int) -> None:  # other traffic fills the host tier
+            cache.store(keys_for(6, salt=salt), random_blocks(6, seed=salt))
+            cache.flush()
+
+        assert serve("slow-1", 0.5) == 2  # from disk (staged in host), over budget
+        serve("hot", 0.01)  # a host hit within budget
+        push_out_of_host(1)
+        assert serve("slow-2", 0.5) == 2
+        now[0] = 1.0
+        cache.report("late", ttft_s=0.01)  # the window closes: the disk's requests broke the budget
+        assert not cache.guard.enabled("disk") and cache.guard.enabled("host")
+        text = cache.metrics.exposition().decode()
+        assert 'kvtier_tier_enabled{tier="disk"} 0.0' in text and 'kvtier_tier_enabled{tier="host"} 1.0' in text
+        assert 'kvtier_guard_transitions_total{tier="disk",to="off"} 1.0' in text
+        assert 'kvtier_guard_window_p99_seconds{signal="ttft",tier="disk"} 0.5' in text
+        on_disk = cache.directory.keys_in("disk")
+        push_out_of_host(2)  # evicts host blocks: none is demoted to the disk
+        kept = set(cache.directory.keys_in("disk"))
+        assert kept <= set(on_disk) and set(keys) <= kept  # nothing written, nothing wiped (but what the chain
+        # invariant drops: blocks whose parent, in host only, had nowhere to go)
+        assert cache.lookup(keys[:2]) == 0 and cache.load(keys[:2]) == []
+        now[0] = 6.0  # held 5 s: on probe, and every request is the probe's (probe_share 1)
+        got = cache.load(keys[:2], request="probe")
+        assert len(got) == 2 and all(same_bytes(a, b) for a, b in zip(got, blocks[:2]))
+        cache.report("probe", ttft_s=0.02)
+        push_out_of_host(3)
+        assert serve("probe-2", 0.02) == 2  # a probe window needs two of its requests (probe_share x 2)
+        now[0] = 7.0
+        cache.report("after", ttft_s=0.02)
+        assert cache.guard.enabled("disk")
+        assert cache.metrics.snapshot()["guard_transitions"] == {"disk/off": 1, "disk/probe": 1, "disk/on": 1}

@@ -13,7 +13,8 @@ SRC = Path(kvtier.__file__).parent
 ROWS = [
     {"__init__", "layout", "metrics", "report"},
     {"stores"},
-    {"directory", "sizing", "config", "policies", "admission", "keys", "weights", "traces", "analyze", "sim"},
+    {"directory", "sizing", "config", "policies", "admission", "keys", "weights", "guard", "decide", "traces",
+     "analyze", "sim"},
     {"mover"},
     {"wiring"},
     {"cache"},

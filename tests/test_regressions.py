@@ -25,6 +25,7 @@ from kvtier.sim.replay import complete_instantly
 from kvtier.stores.base import TierKind
 from kvtier.stores.disk import DiskStore
 from kvtier.stores.redis import RedisStore
+from tests.connector_harness import STEP, loading_all
 
 SHAPE, DT, P = (4, 1024), torch.uint8, 4096  # one block: 4 KiB of uint8
 
@@ -36,7 +37,8 @@ def geometry(world_size: int = 1) -> Geometry:
 
 def request(rid: str, hashes: list[bytes], computed: int = 0) -> SimpleNamespace:
     return SimpleNamespace(request_id=rid, num_computed_tokens=computed, num_tokens=16 * len(hashes) + 1,
-                           block_hashes=hashes)
+                           num_prompt_tokens=16 * len(hashes) + 1, block_hashes=hashes, num_output_tokens=0,
+                           arrival_time=0.0)
 
 
 def engine_blocks(ids: list[int]) -> SimpleNamespace:
@@ -47,13 +49,13 @@ class Engine:
     """The connector's two halves wired in-process (world size 1), stepped in vLLM's order."""
 
     def __init__(self, config, num_blocks: int = 32) -> None:
-        self.scheduler = SchedulerSide(config, geometry())
+        self.scheduler = SchedulerSide(loading_all(config), geometry())
         self.worker = WorkerSide(config, geometry(), 0)
         self.kv = torch.zeros(num_blocks, P, dtype=torch.uint8)
         self.worker.register_kv_caches({"layer0": self.kv}, num_blocks)
 
     def step(self) -> tuple[set[str] | None, set[str] | None]:
-        meta = self.scheduler.build_connector_meta(idle=False)
+        meta = self.scheduler.build_connector_meta(STEP)
         self.worker.start(meta)
         self.worker.mover.flush()
         finished = self.worker.get_finished(set())
@@ -226,10 +228,10 @@ def test_a_rank_that_failed_a_step_is_never_outvoted_by_a_later_ok():
     """exp1: with tensor parallelism a step took the latest rank's status: FAILED on rank 0, then OK on rank 1,
     completed READY, and a host copy rank 0 never wrote was served."""
     config = parse_config({"cpu_bytes_to_use": 2 * 4 * P, "block_size": 16, "engine_block_size": 16})
-    s = SchedulerSide(config, geometry(world_size=2))
+    s = SchedulerSide(loading_all(config), geometry(world_size=2))
     held, _ = s.request_finished(request("r1", [b"\x01" * 32, b"\x02" * 32], computed=32), [7, 8])
     assert held
-    meta = s.build_connector_meta(idle=False)
+    meta = s.build_connector_meta(STEP)
     puts = [st for c in meta.stores[0].chains for st in c if st.op is Op.PUT]
     s.update_connector_output(KVTierWorkerMetadata({puts[0].id: (Status.FAILED, 1), puts[1].id: (Status.OK, 1)}))
     s.update_connector_output(KVTierWorkerMetadata({puts[0].id: (Status.OK, 1), puts[1].id: (Status.OK, 1)}))
@@ -256,7 +258,7 @@ def test_a_restart_with_tensor_parallelism_recovers_and_bounds_every_rank(tmp_pa
     def files(rank: int) -> set[str]:
         return {p.name for p in (tmp_path / geo.namespace(rank)).rglob("*") if p.is_file() and p.name != ".lock"}
 
-    s = SchedulerSide(config, geo)
+    s = SchedulerSide(loading_all(config), geo)
     assert s.directory.tier["disk"].used_blocks == 2 == len(files(0)) == len(files(1))
     assert files(0) == files(1), "the ranks hold the same blocks"
     assert not any(name.endswith(".tmp") for name in files(1))
@@ -328,7 +330,7 @@ def test_an_asynchronous_load_never_runs_on_the_engine_thread(tmp_path):
         promised, is_async = engine.scheduler.get_num_new_matched_tokens(q, 0)
         assert promised == 16 and is_async
         engine.scheduler.update_state_after_alloc(q, engine_blocks([30, 31]), promised)
-        meta = engine.scheduler.build_connector_meta(idle=False)
+        meta = engine.scheduler.build_connector_meta(STEP)
         start = time.perf_counter()
         engine.worker.start(meta)
         assert time.perf_counter() - start < 0.25, "start_load_kv waited for the disk"
@@ -354,7 +356,7 @@ def scheduler_with_a_seeded_redis(redis_server, n: int) -> tuple[SchedulerSide, 
     other = RedisStore(redis_server.url, geo.namespace(0), P, 64 * (P + 600))
     other.put_many([(k, keys[i - 1] if i else None, torch.zeros(P, dtype=torch.uint8)) for i, k in enumerate(keys)])
     other.close()
-    return SchedulerSide(config, geo), hashes, keys
+    return SchedulerSide(loading_all(config), geo), hashes, keys
 
 
 def test_an_aborted_request_stores_only_blocks_that_were_filled(redis_server):
@@ -370,11 +372,11 @@ def test_an_aborted_request_stores_only_blocks_that_were_filled(redis_server):
     r_ids = [20, 21, 22, 23, 24]
     s.update_state_after_alloc(r, engine_blocks(r_ids), nr)
     r.num_computed_tokens = nr  # vLLM: WAITING_FOR_REMOTE_KVS, num_computed_tokens set to the promise
-    meta = s.build_connector_meta(idle=False)
+    meta = s.build_connector_meta(STEP)
     load = next(j for j in meta.loads if j.request_id == "R")
     assert load.unavailable, "Q's fetch of the first block cut R's load short"
     s.request_finished(r, r_ids[:4])  # the abort, processed before update_from_output
-    meta = s.build_connector_meta(idle=False)
+    meta = s.build_connector_meta(STEP)
     read = {b for job in meta.stores for c in job.chains for st in c if st.op is Op.PUT
             for b in job.sources[st.index] if b is not None}
     assert not read & set(load.unavailable), "a PUT reads engine blocks that were never filled"
@@ -395,7 +397,7 @@ def test_the_first_block_fetched_after_a_local_hit_keeps_its_parent(redis_server
     fetched = d._blocks.get(keys[1]) or d._retiring.get(keys[1])
     assert fetched is not None and fetched.parent == keys[0]
     assert d.orphans() == 0
-    load = s.build_connector_meta(idle=False).loads[0]
+    load = s.build_connector_meta(STEP).loads[0]
     s.update_connector_output(KVTierWorkerMetadata({st.id: (Status.OK, 1) for c in load.chains for st in c}), {"R"})
     assert keys[1] not in d and keys[2] not in d, "served to this request; kept, they would be orphans"
     assert not d._retiring and d.tier["host"].used_blocks == 0

@@ -155,3 +155,44 @@ def test_bad_config_exits_2_naming_file_and_field(tmp_path, capsys):
     assert main(["simulate", str(path), "--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "bad.json" in err and "eviction_policy" in err
+
+
+# ---------------------------------------------------------------- the guard and the decision on the virtual clock
+
+SLOW_DISK = {"type": "fs", "root_dir": "x", "max_bytes": 2 << 40}
+GUARD = {"ttft_p99_ms": 3000, "window_s": 30, "breach_windows": 2, "of_windows": 3, "min_requests": 5, "hold_s": 120}
+
+
+def test_the_guard_turns_a_slow_disk_off_and_the_decision_recomputes_instead():
+    """A disk at 0.5 GB/s: loading a prefix from it takes seconds, recomputing it a fraction of one."""
+    from kvtier.config import parse_guard
+
+    requests = generate_trace(replace(GENERATORS["shared"], requests=1500, rate_per_s=4))
+    dep = Deployment(cost_model(disk_gbs=0.5), 256, 4 << 30, instances=2)
+    configs = [SimConfig(policy, {"cpu_bytes_to_use": 8 << 30, "block_size": 256, "load_policy": policy,
+                                  "secondary_tiers": [SLOW_DISK]}) for policy in ("always", "auto")]
+    always, auto = simulate(requests, configs, dep, guard=parse_guard(GUARD))
+    tier, since, _ = always.guard_off()[0]
+    assert tier == "disk" and since < always.end_s / 4  # off early on
+    assert [t.to.value for t in always.guard[:2]] == ["off", "probe"]
+    assert always.hit_blocks["disk"] > 0 and always.hit_blocks["host"] > 0  # the host tier stayed on
+    assert not any(t.tier == "host" for t in always.guard)
+    assert auto.load_decisions[("disk", "recompute")] > 0 and auto.load_decisions[("disk", "partial")] > 0
+    assert auto.load_decisions[("host", "load")] > 0 and ("host", "recompute") not in auto.load_decisions
+    assert auto.ttft(99) < always.ttft(99) and not auto.guard_off()  # the decision kept the budget on its own
+
+
+def test_simulate_guard_flag_reports_when_the_tier_was_off(tmp_path, capsys):
+    path = tmp_path / "shared.jsonl"
+    write_kvtier_jsonl(generate_trace(replace(GENERATORS["shared"], requests=1500, rate_per_s=4)), path)
+    mine = tmp_path / "always.json"
+    mine.write_text(json.dumps({"cpu_bytes_to_use": 8 << 30, "load_policy": "always",
+                                "secondary_tiers": [SLOW_DISK]}))
+    out_json = tmp_path / "s.json"
+    assert main(["simulate", str(path), "--config", str(mine), "--engine-kv-gib", "4", "--instances", "2",
+                 "--disk-gbs", "0.5", "--guard", json.dumps(GUARD), "--json", str(out_json)]) == 0
+    off = json.loads(out_json.read_text())["results"][1]["guard_off"]
+    assert off[0]["tier"] == "disk" and off[0]["from_s"] < 200
+    assert "load or recompute, and the guard" in capsys.readouterr().out
+    assert main(["simulate", str(path), "--guard", '{"ttft_p99_ms": 1, "probe_share": 2}']) == 2
+    assert "probe_share" in capsys.readouterr().err

@@ -33,6 +33,8 @@ def run(model: str, config: dict | str, *prompts: str, expect_rc: int = 0, figur
     the engine's kvtier series (both halves, aggregated by vLLM). `redis`: the test's server, which the
     prompts `!redis-kill` and `!redis-start` kill and start again.
     `separate_engine`: vLLM's default mode, the engine core in a process of its own."""
+    if isinstance(config, dict) and config.get("secondary_tiers") and "load_policy" not in config:
+        config = {**config, "load_policy": "always"}  # what a load delivers is tested here; whether, on its own
     cfg = config if isinstance(config, str) else json.dumps(config)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if separate_engine else "0"}
     if redis is not None:
@@ -254,3 +256,69 @@ def test_stats_reach_prometheus_under_the_design_names():
     assert 'kvtier_lookup_tokens_total{engine="0",model_name="tiny",source="host"} 512.0' in text
     assert 'kvtier_integrity_failures_total{engine="0",model_name="tiny",tier="disk"} 1.0' in text
     assert 'kvtier_tier_used_bytes{engine="0",model_name="tiny",tier="host"} 4096.0' in text
+
+
+# A disk load of a prompt takes a few hundred ms on this machine, its recompute about 100: a healthy disk is
+# within the budget, a disk whose reads sleep 0.6 s is not (each load waits for two rounds of reads), with a
+# margin of two on both sides.
+GUARD = {"ttft_p99_ms": 600, "window_s": 5, "breach_windows": 2, "of_windows": 3, "min_requests": 2, "hold_s": 6,
+         "probe_share": 0.5}
+
+
+def slowed(model: str, config: dict, delay_s: float, requests: int | None = None) -> dict:
+    """tests/vllm/guard.py's findings: a real engine whose disk reads sleep `delay_s`."""
+    args = [sys.executable, "-m", "tests.vllm.guard", model, json.dumps(config), str(delay_s)]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run(args + ([str(requests)] if requests else []), cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def exact_by_cached_length(requests: list[dict]) -> None:
+    """Every serving of a prompt with the same number of cached tokens has the same logprobs, bit for bit:
+    restored from disk, recomputed, or vLLM's own cache hit."""
+    seen: dict[tuple[str, int], list[float]] = {}
+    for r in requests:
+        first = seen.setdefault((r["prompt"], r["cached"]), r["logprobs"])
+        assert r["logprobs"] == first, (r["prompt"], r["cached"], r["phase"])
+
+
+def test_the_guard_turns_a_slow_disk_off_keeps_host_on_and_brings_the_disk_back_through_a_probe(tiny_model,
+                                                                                                 tmp_path):
+    disk = {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20}
+    config = {"cpu_bytes_to_use": 8 << 20, "load_policy": "always", "secondary_tiers": [disk], "guard": GUARD}
+    found = slowed(tiny_model, config, delay_s=0.6)
+    requests, transitions = found["requests"], found["transitions"]
+    slow = [r for r in requests if r["phase"] == "slow"]
+    assert slow[0]["disk_blocks"] and slow[0]["ttft"] > 1.2, "the delay was injected and the disk served"
+    assert [t["tier"] for t in transitions] == ["disk"] * len(transitions), transitions  # host stays on
+    assert transitions[0]["to"] == "off" and transitions[-1]["to"] == "on", transitions
+    assert "ttft p99" in transitions[0]["reason"]
+    off = [r for r in requests if r["state"] == r["state_after"] == "off"]
+    assert off and not any(r["disk_blocks"] for r in off), "while off, nothing is read from the disk"
+    assert any(r["disk_blocks"] for r in requests if r["phase"] == "healed"), "the probe read the disk again"
+    enabled = [r["disk_enabled"] for r in requests]
+    steps = [v for i, v in enumerate(enabled) if i == 0 or v != enabled[i - 1]]
+    assert steps[0] == 1 and 0 in steps and steps[-1] == 1, steps  # Prometheus saw 1 -> 0 -> 1
+    prom = found["prometheus"]
+    assert prom['kvtier_tier_enabled{tier="host"}'] == 1
+    assert prom['kvtier_guard_transitions_total{tier="disk",to="off"}'] >= 1
+    assert prom['kvtier_guard_transitions_total{tier="disk",to="on"}'] == 1
+    assert any(k.startswith("kvtier_guard_window_p99_seconds{") for k in prom)
+    exact_by_cached_length(requests)
+    assert any(r["phase"] == "engine hit" and r["cached"] == 2048 for r in requests)
+
+
+def test_the_decision_recomputes_what_a_slow_disk_would_serve_late(tiny_model, tmp_path):
+    disk = {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20}
+    found = slowed(tiny_model, {"cpu_bytes_to_use": 8 << 20, "secondary_tiers": [disk]}, delay_s=0.4, requests=16)
+    slow = [r for r in found["requests"] if r["phase"] == "slow"]
+    from_disk = [r for r in slow if r["disk_blocks"]]
+    assert 1 <= len(from_disk) <= 2, "the first load measures the disk; then its loads lose to recomputing"
+    decisions = found["decisions"]  # by each request's slowest tier: a prompt loaded once is in host afterwards
+    assert decisions.get("disk|load", 0) + decisions.get("disk|partial", 0) == len(from_disk)
+    assert decisions["disk|recompute"] >= len(slow) // 2
+    assert found["prometheus"]['kvtier_load_decisions_total{decision="recompute",tier="disk"}'] == \
+        decisions["disk|recompute"]
+    exact_by_cached_length(found["requests"])

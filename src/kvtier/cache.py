@@ -9,6 +9,10 @@ A block is one tensor of `block_shape` and `dtype`; its bytes are stored as they
 loaded block is bit-identical to the stored one. Tensors passed to `store` must not change until `flush()`
 (vLLM's connector holds its blocks the same way until the store completes).
 
+With a `guard` in the config, callers report each request's latency (`load(..., request=id)`, then
+`report(id, ttft_s=..., itl_s=...)`); the guard attributes it to the tier that served the request's prefix
+and turns a tier off (no reads, no writes, contents kept) while its requests break the budget.
+
 With a `redis` tier, caches of the same namespace (model, dtype, block shape, rank, tenant salt) share it,
 in one process or on many machines: what one stores (written through from its host tier, in the
 background), another finds by `lookup` and gets by `load`, fetched into its own host tier. Redis down or
@@ -21,12 +25,14 @@ import math
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
 
 from kvtier.config import KVTierConfig
 from kvtier.directory import Directory, Op, Status, Step
+from kvtier.guard import Guard, request_source
 from kvtier.keys import Namespace
 from kvtier.metrics import Metrics
 from kvtier.mover.copy import ready_event
@@ -34,6 +40,8 @@ from kvtier.policies.base import DEFAULT_PRIORITY
 from kvtier.sizing import shared_spec, shared_tier, tier_specs
 from kvtier.stores.blockformat import check_key
 from kvtier.wiring import build_mover, build_stores, recover
+
+MAX_UNREPORTED = 65_536  # loads whose request has not reported its latency yet
 
 
 class TieredCache:
@@ -69,8 +77,13 @@ class TieredCache:
         self.stores = build_stores(config, self.payload_nbytes, self.namespace.digest(), rank, world_size,
                                    owner=f"cache-{uuid.uuid4().hex}")
         self._lock = threading.RLock()
+        self.clock = clock
         self.directory = Directory(specs, clock=clock, shared=shared_spec(config, self.payload_nbytes))
-        self.metrics = Metrics(self.directory, config.block_size, lock=self._lock, shared=self.stores.shared)
+        self.tier_names = [s.name for s in specs] + ([self.shared] if self.shared else [])
+        self.guard = Guard(config.guard, self.tier_names, start=clock()) if config.guard is not None else None
+        self._requests: OrderedDict[str, str] = OrderedDict()  # loaded for, not yet reported: id -> source
+        self.metrics = Metrics(self.directory, config.block_size, guard=self.guard, lock=self._lock,
+                               shared=self.stores.shared)
         self.mover = build_mover(config, self.stores, self._report, self.metrics)
         recover(self.directory, [self.stores.local], self._lock, self._integrity_failures)
 
@@ -93,6 +106,7 @@ class TieredCache:
             self.metrics.count("stores_dropped", "queue_full", len(keys))
             return 0
         with self._lock:
+            self._tick()
             plan = self.directory.plan_store(keys, parent=parent, priority=priority)
         if not plan.chains:
             self.mover.release_store()
@@ -101,22 +115,23 @@ class TieredCache:
         return sum(1 for chain in plan.chains for step in chain if step.op is Op.PUT)
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """Leading blocks readable now, from any tier (the shared one is asked for the blocks after the local
-        prefix: one round trip). No side effects."""
+        """Leading blocks readable now, from any tier the guard has on (the shared one is asked for the blocks
+        after the local prefix: one round trip). No side effects."""
         _check_keys("lookup", keys)
         with self._lock:
-            local = len(self.directory.lookup(keys))
-        return local + self._lookup_shared(keys, local)
+            skip = self.guard.off() if self.guard is not None else frozenset()
+            local = len(self.directory.lookup(keys, skip))
+        return local + self._lookup_shared(keys, local, skip)
 
-    def _lookup_shared(self, keys: Sequence[bytes], local: int) -> int:
+    def _lookup_shared(self, keys: Sequence[bytes], local: int, skip: frozenset[str]) -> int:
         """How many blocks after `keys[:local]` the shared tier holds (0 without one, or with Redis away)."""
-        if self.shared is None or local >= len(keys):
+        if self.shared is None or local >= len(keys) or self.shared in skip:
             return 0
         return self.mover.lookup_shared(self.shared, keys[local:])
 
     def load(
         self, keys: Sequence[bytes], device: torch.device | str | None = None,
-        out: Sequence[torch.Tensor] | None = None,
+        out: Sequence[torch.Tensor] | None = None, request: str | None = None,
     ) -> list[torch.Tensor]:
         """The longest readable prefix of `keys`, as new tensors on `device` (default CPU).
 
@@ -126,7 +141,7 @@ class TieredCache:
 
         A block that turns out corrupt or missing on its tier ends the prefix there: it is a miss, and it
         is never returned. Blocks after the local prefix that the shared tier holds are fetched from it,
-        staged through the host tier.
+        staged through the host tier. `request`: the id the caller will `report` this request's latency under.
         """
         _check_keys("load", keys)
         if out is not None:
@@ -136,14 +151,15 @@ class TieredCache:
                 self._check(block)
                 if not block.is_contiguous():
                     raise ValueError("load: out tensors must be contiguous")
-        shared_end = 0
-        if self.shared is not None:
-            with self._lock:
-                local = len(self.directory.lookup(keys))
-            shared_end = local + self._lookup_shared(keys, local)  # network: outside the lock
         with self._lock:
-            plan = self.directory.plan_load(keys, shared_end=shared_end)
+            skip = self._route(request)
+            local = len(self.directory.lookup(keys, skip))
+        shared_end = local + self._lookup_shared(keys, local, skip)  # network: outside the lock
+        with self._lock:
+            plan = self.directory.plan_load(keys, shared_end=shared_end, skip=skip)
             self.directory.record_lookup(plan.sources, len(keys))
+            if request is not None and self.guard is not None:
+                self._requests[request] = request_source(plan.sources, self.tier_names, False)
         if out is None:
             out = [torch.empty(self.block_shape, dtype=self.dtype, device=device or "cpu") for _ in plan.keys]
         try:
@@ -155,6 +171,16 @@ class TieredCache:
             self.mover.delete(garbage)
         usable = next((i for i, good in enumerate(ok) if not good), len(plan.keys))
         return list(out[:usable])
+
+    def report(self, request: str, ttft_s: float | None = None, itl_s: Sequence[float] = ()) -> None:
+        """A request's latency, for the guard: its time to first token and/or its gaps between tokens. The
+        request is the `request` of an earlier `load`; a request that never loaded counts as a recompute."""
+        if self.guard is None:
+            return
+        with self._lock:
+            source = self._requests.pop(request, request_source((), self.tier_names, False))
+            self.guard.observe(source, self.clock(), ttft_s=ttft_s, itl_s=itl_s)
+            self._tick()
 
     def flush(self) -> None:
         """Wait for every store and delete in flight."""
@@ -174,6 +200,23 @@ class TieredCache:
         return self.metrics.snapshot()  # takes our lock to read the directory, and only for that
 
     # ---------------------------------------------------------------- internals
+
+    def _route(self, request: str | None) -> frozenset[str]:
+        """The tiers a load must not read: only a request that will report its latency can be a probe's."""
+        if self.guard is None:
+            return frozenset()
+        if request is None:
+            self.guard.tick(self.clock())
+            return self.guard.off()
+        skip = self.guard.route(self.clock())
+        while len(self._requests) >= MAX_UNREPORTED:  # requests never reported: forget the oldest
+            self._requests.popitem(last=False)
+        return skip
+
+    def _tick(self) -> None:
+        if self.guard is not None:
+            self.guard.tick(self.clock())
+            self.directory.disabled = self.guard.off()
 
     def _check(self, block: torch.Tensor) -> None:
         if tuple(block.shape) != self.block_shape or block.dtype != self.dtype:

@@ -13,7 +13,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -33,6 +33,8 @@ from kvtier.policies import POLICIES
 
 PolicyName = Literal[tuple(POLICIES)]  # type: ignore[valid-type]
 Priority = Annotated[int, Field(ge=0, le=100)]
+HOST = "host"  # the first tier's name
+SHARED = "redis"  # the shared tier's name
 
 
 class ConfigError(ValueError):
@@ -41,6 +43,9 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+_M = TypeVar("_M", bound=_Strict)
 
 
 class AdmissionConfig(_Strict):
@@ -137,6 +142,31 @@ class RedisTierConfig(_Strict):
 SecondaryTier = Annotated[FsTierConfig | RedisTierConfig, Field(discriminator="type")]
 
 
+class GuardConfig(_Strict):
+    """The rollback rule (`kvtier.guard`): a tier whose requests break a p99 budget for `breach_windows` of the
+    last `of_windows` windows of `window_s` is turned off (read by nobody, written by nothing, its contents
+    kept) for at least `hold_s`; then `probe_share` of requests read it again, and it comes back once
+    `breach_windows` probe windows in a row are within budget."""
+
+    ttft_p99_ms: PositiveFloat | None = None
+    itl_p99_ms: PositiveFloat | None = None
+    window_s: PositiveFloat = 10.0
+    breach_windows: PositiveInt = 3
+    of_windows: PositiveInt = 5
+    min_requests: PositiveInt = 20  # a window with fewer of a tier's requests says nothing about that tier
+    hold_s: float = Field(60.0, ge=0)
+    probe_share: float = Field(0.1, gt=0, le=1)
+    order: list[str] | None = None  # when several tiers break the budget at once, the first here goes first
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GuardConfig:
+        if self.ttft_p99_ms is None and self.itl_p99_ms is None:
+            raise ValueError("a guard needs a budget: ttft_p99_ms, itl_p99_ms or both")
+        if self.breach_windows > self.of_windows:
+            raise ValueError(f"breach_windows ({self.breach_windows}) exceeds of_windows ({self.of_windows})")
+        return self
+
+
 class KVTierConfig(_Strict):
     cpu_bytes_to_use: PositiveInt = Field(validation_alias=AliasChoices("cpu_bytes_to_use", "host_cache_size"))
     block_size: PositiveInt = 256  # tokens per kvtier block
@@ -150,6 +180,11 @@ class KVTierConfig(_Strict):
     # The name of an environment variable holding a secret: disk and redis blocks are signed with it, and only
     # blocks signed with it are served (anyone who can write root_dir or the Redis server could plant others).
     auth_key_env: str | None = Field(None, min_length=1)
+    guard: GuardConfig | None = None
+    # Per request, load a prefix only if its load is expected to beat recomputing it ("auto"), or always.
+    load_policy: Literal["auto", "always"] = "auto"
+    max_load_tokens: PositiveInt | None = None  # at most this many tokens loaded for one request
+    prefill_tokens_per_s: PositiveFloat = 20_000  # the recompute speed assumed until the engine's is measured
 
     @field_validator("auth_key_env")
     @classmethod
@@ -187,7 +222,21 @@ class KVTierConfig(_Strict):
         shared = [(t.url, t.key_prefix) for t in self.secondary_tiers if t.type == "redis"]
         if len(set(shared)) != len(shared):
             raise ValueError("two redis tiers share one url and key_prefix")
+        unknown = [name for name in (self.guard.order or []) if name not in self.tier_names()] if self.guard else []
+        if unknown:
+            raise ValueError(f"guard.order names {unknown}, not tiers of this config: {self.tier_names()}")
         return self
+
+    def tier_names(self) -> list[str]:
+        """Every tier's name: host, then one per entry of `secondary_tiers` ("disk", "disk1", ..., "redis")."""
+        names, fs = [HOST], 0
+        for tier in self.secondary_tiers:
+            if tier.type == "fs":
+                names.append("disk" if fs == 0 else f"disk{fs}")
+                fs += 1
+            else:
+                names.append(SHARED)
+        return names
 
     @property
     def host_admission(self) -> AdmissionConfig:
@@ -210,7 +259,16 @@ def _field_path(loc: tuple[Any, ...]) -> str:
 
 def parse_config(data: dict[str, Any] | str | os.PathLike[str]) -> KVTierConfig:
     """Build a config from a dict, a JSON string or a JSON file; raise ConfigError naming the bad field."""
-    source = "config"
+    return _parse(KVTierConfig, data, "config")
+
+
+def parse_guard(data: dict[str, Any] | str | os.PathLike[str]) -> GuardConfig:
+    """A config's `guard` object on its own (`kvtier simulate --guard`), as `parse_config` reads a config."""
+    return _parse(GuardConfig, data, "guard")
+
+
+def _parse(model: type[_M], data: dict[str, Any] | str | os.PathLike[str], what: str) -> _M:
+    source = what
     if isinstance(data, (str, os.PathLike)):
         text = str(data)
         if not text.lstrip().startswith("{"):
@@ -226,7 +284,7 @@ def parse_config(data: dict[str, Any] | str | os.PathLike[str]) -> KVTierConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
     try:
-        return KVTierConfig.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
@@ -239,4 +297,4 @@ def parse_config(data: dict[str, Any] | str | os.PathLike[str]) -> KVTierConfig:
                 got = re.sub(r"//.*@", "//***@", got)  # never echo credentials (up to the last @)
             shown = "" if isinstance(got, (dict, list)) or err["type"] == "missing" else f" (got {got!r})"
             problems.append(f"{field}: {msg}{shown}")
-        raise ConfigError("invalid kvtier config: " + "; ".join(problems)) from None
+        raise ConfigError(f"invalid kvtier {what}: " + "; ".join(problems)) from None

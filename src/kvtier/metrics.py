@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 if TYPE_CHECKING:
     from kvtier.directory import Directory
+    from kvtier.guard import Guard
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("failed_deletes", "counter", "Deletes that failed: their files may be left, and stay counted", ("tier",)),
     Family("tier_used_bytes", "gauge", "Bytes held by a tier", ("tier",)),
     Family("tier_capacity_bytes", "gauge", "Configured bytes of a tier", ("tier",)),
-    Family("tier_enabled", "gauge", "1 while a tier serves, 0 once the guard turned it off", ("tier",)),
+    Family("tier_enabled", "gauge", "1 while a tier serves, 0 while the guard has it off or on probe", ("tier",)),
     Family("orphan_blocks", "gauge", "Blocks whose parent is in no tier (a bug if not 0)", ("tier",)),
+    Family("guard_transitions", "counter", "The guard turned a tier off, on probe, or back on", ("tier", "to")),
+    Family("guard_window_p99_seconds", "gauge", "p99 of the guard's last window, by the source of requests' "
+           "prefixes (a tier, engine or recompute)", ("tier", "signal")),
+    Family("load_decisions", "counter", "Requests whose blocks found were all loaded, partly, or recomputed, by "
+           "their slowest tier", ("tier", "decision")),
     Family("redis_breaker_state", "gauge", "Circuit breaker of a shared tier: 0 closed, 1 half-open, 2 open", (),
            per_client=True),
     Family("redis_breaker_opens", "counter", "Times a shared tier's circuit breaker opened", (), per_client=True),
@@ -84,7 +90,7 @@ class Metrics:
     """One registry per cache, so that two caches in one process never mix their numbers."""
 
     def __init__(
-        self, directory: Directory | None, block_tokens: int, tier_enabled: Callable[[str], bool] = lambda _: True,
+        self, directory: Directory | None, block_tokens: int, guard: Guard | None = None,
         shared: Mapping[str, SharedStore] | None = None, lock: AbstractContextManager | None = None,
     ) -> None:
         """`directory` is None where only bytes move (a vLLM worker): then only the data plane's figures exist.
@@ -92,7 +98,7 @@ class Metrics:
         directory is read (the caller's lock around it); never while a shared store is asked for its bytes."""
         self.directory = directory
         self.block_tokens = block_tokens
-        self.tier_enabled = tier_enabled
+        self.guard = guard
         self.shared = dict(shared or {})
         self.lock = lock if lock is not None else nullcontext()
         self.moves = MoveStats()
@@ -151,7 +157,18 @@ class Metrics:
             "failed_deletes": dict(d.stats.failed_deletes),
             "orphan_blocks": d.orphans(),
             "orphan_blocks_by_tier": d.orphans_by_tier(),
+            **self._guard_figures(),
         }
+
+    def tier_enabled(self, tier: str) -> bool:
+        return self.guard is None or self.guard.enabled(tier)
+
+    def _guard_figures(self) -> dict:
+        g = self.guard
+        if g is None:
+            return {}
+        return {"guard_transitions": {f"{t}/{to}": n for (t, to), n in g.transitions.items()},
+                "guard_window_p99_seconds": {f"{s}/{signal}": v for (s, signal), v in g.window_p99.items()}}
 
     def _add_shared(self, snap: dict) -> None:
         """The shared tiers' figures: their stores' counters and breakers, and the bytes all engines use."""
@@ -215,3 +232,10 @@ class _Collector:
         yield gauge("tier_capacity_bytes", {t: v["capacity_bytes"] for t, v in tiers.items()})
         yield gauge("tier_enabled", {t: float(v["enabled"]) for t, v in tiers.items()})
         yield gauge("orphan_blocks", snap["orphan_blocks_by_tier"])
+        if m.guard is not None:
+            yield counter("guard_transitions", pairs(snap["guard_transitions"]))
+            p99 = FAMILIES["guard_window_p99_seconds"]
+            fam = GaugeMetricFamily(f"kvtier_{p99.name}", p99.doc, labels=list(p99.labels))
+            for (source, signal), value in pairs(snap["guard_window_p99_seconds"]).items():
+                fam.add_metric([source, signal], value)
+            yield fam

@@ -11,14 +11,12 @@ from __future__ import annotations
 import logging
 
 from kvtier.admission import AdmissionRule
-from kvtier.config import AdmissionConfig, FsTierConfig, KVTierConfig, RedisTierConfig
+from kvtier.config import HOST, AdmissionConfig, FsTierConfig, KVTierConfig, RedisTierConfig
 from kvtier.directory import SharedSpec, TierSpec
 from kvtier.layout import disk_footprint, round_up
 from kvtier.stores.base import TierKind
 from kvtier.stores.blockformat import HEADER_NBYTES as SHARED_HEADER_NBYTES
 
-HOST = "host"
-SHARED = "redis"
 log = logging.getLogger(__name__)
 
 
@@ -38,26 +36,14 @@ def shared_footprint(payload_nbytes: int) -> int:
     return SHARED_HEADER_NBYTES + payload_nbytes
 
 
-def tier_names(config: KVTierConfig) -> list[str]:
-    """Every tier's name: host, then one per entry of `secondary_tiers`, in config order."""
-    names, fs = [HOST], 0
-    for tier in config.secondary_tiers:
-        if tier.type == "fs":
-            names.append("disk" if fs == 0 else f"disk{fs}")
-            fs += 1
-        else:
-            names.append(SHARED)
-    return names
-
-
 def local_tiers(config: KVTierConfig) -> list[tuple[str, FsTierConfig]]:
     """The fs tiers with their names, fastest (first configured) first."""
-    return [(n, t) for n, t in zip(tier_names(config)[1:], config.secondary_tiers) if isinstance(t, FsTierConfig)]
+    return [(n, t) for n, t in zip(config.tier_names()[1:], config.secondary_tiers) if isinstance(t, FsTierConfig)]
 
 
 def shared_tier(config: KVTierConfig) -> tuple[str, RedisTierConfig] | None:
     """The shared tier with its name, if one is configured."""
-    shared = [(n, t) for n, t in zip(tier_names(config)[1:], config.secondary_tiers) if isinstance(t, RedisTierConfig)]
+    shared = [(n, t) for n, t in zip(config.tier_names()[1:], config.secondary_tiers) if isinstance(t, RedisTierConfig)]
     if len(shared) > 1:
         raise ValueError(f"at most one redis tier is supported, the config has {len(shared)}")
     return shared[0] if shared else None

@@ -8,6 +8,11 @@ in the same run on the same machine. Medians over several prompts; one fresh eng
                                tiers configured) ÷ without; engines with and without alternate, and the figure is
                                the median of the rounds' ratios
 - p99_ttft_no_reuse_disk_on_vs_off  the same with host + disk tiers: every unique block is demoted to disk
+- ttft_slow_disk_auto_vs_recompute  eight 2k-token prefixes served once (they end up on disk), then in turn with
+                                    every disk read slowed on purpose (`bench.slow_disk`): TTFT with the decision
+                                    (`load_policy: auto`) ÷ recomputing (kvtier off), the median of the
+                                    requests' paired ratios (the same prompt at the same position)
+- ttft_slow_disk_always_vs_recompute  the same, loading every block found (`load_policy: always`)
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ REPS = 5
 UNIQUE = 96  # per round: the p99 of 96 is the second slowest, not just the slowest
 ROUNDS = 5  # of the no-reuse comparison: fresh engines differ by several percent, so pair them and repeat
 BLOCK_NBYTES = 2 * 128 * 2048  # a 256-token block of the tiny model
+SLOW_PROMPTS, SLOW_REQUESTS, SLOW_DELAY_S = 8, 24, 0.3  # prefixes, requests served slowed, seconds per disk read
 
 
 def p99(values: list[float]) -> float:
@@ -41,7 +47,7 @@ def _tokens(seed: str, n: int) -> list[int]:
     return [rng.randrange(3, 32000) for _ in range(n)]
 
 
-def _engine_main(model: str, config_json: str, out_path: str, reps: int, unique: int) -> None:
+def _tiers_main(model: str, config_json: str, out_path: str, reps: int, unique: int) -> None:
     """One engine: per rep, a fresh prompt cold, then after fillers evicted it, then at once again; then
     `unique` prompts that share nothing."""
     from vllm import SamplingParams
@@ -72,6 +78,31 @@ def _engine_main(model: str, config_json: str, out_path: str, reps: int, unique:
     Path(out_path).write_text(json.dumps(result))
 
 
+def _slow_disk_main(model: str, config_json: str, out_path: str) -> None:
+    """One engine: SLOW_PROMPTS prompts served once, then SLOW_REQUESTS in turn with disk reads slowed."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvtier.bench.slow_disk import install
+    from kvtier.integrations.vllm.tiny_model import start_engine
+
+    delay = Path(out_path).with_suffix(".delay")
+    install(delay)
+    llm = start_engine(model, json.loads(config_json))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False)
+    prompts = [_tokens(f"slow-{i}", FILLER) + _tokens(f"suffix-{i}", 64) for i in range(SLOW_PROMPTS)]
+
+    def ttft(tokens: list[int]) -> tuple[float, int]:
+        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
+        return out.metrics.first_token_latency, out.num_cached_tokens
+
+    for tokens in prompts:
+        ttft(tokens)
+    delay.write_text(str(SLOW_DELAY_S))
+    served = [ttft(prompts[i % SLOW_PROMPTS]) for i in range(SLOW_REQUESTS)]
+    Path(out_path).write_text(json.dumps({"ttft": [t for t, _ in served], "cached": [c for _, c in served]}))
+
+
 def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
     from rich.console import Console
     from rich.table import Table
@@ -90,21 +121,28 @@ def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
             "disk": {"cpu_bytes_to_use": 16 * BLOCK_NBYTES, "secondary_tiers": [disk]},
         }
 
-        def engine(name: str, reps: int, unique: int) -> dict[str, list]:
-            console.print(f"[bold]engine: {name}[/bold]")
-            out = root / f"{name}.json"
+        def engine(label: str, mode: str, config: dict | None, *args: int) -> dict[str, list]:
+            """One engine process (`mode`: "tiers" or "slow"), a fresh disk tier, its findings."""
+            console.print(f"[bold]engine: {label}[/bold]")
+            out = root / "engine.json"
             shutil.rmtree(root / "kv", ignore_errors=True)
-            proc = subprocess.run([sys.executable, "-m", "kvtier.bench.vllm_engine", model,
-                                   json.dumps(configs[name]), str(out), str(reps), str(unique)],
-                                  capture_output=True, text=True)
+            proc = subprocess.run([sys.executable, "-m", "kvtier.bench.vllm_engine", mode, model, json.dumps(config),
+                                   str(out), *map(str, args)], capture_output=True, text=True)
             if proc.returncode != 0:
-                raise RuntimeError(f"engine '{name}' failed:\n{proc.stderr[-3000:]}")
+                raise RuntimeError(f"engine '{label}' failed:\n{proc.stderr[-3000:]}")
             return json.loads(out.read_text())
 
-        runs = {name: engine(name, REPS, 0) for name in configs}
-        no_reuse = [{name: engine(name, 0, UNIQUE)["unique"] for name in configs} for _ in range(ROUNDS)]
+        runs = {name: engine(name, "tiers", config, REPS, 0) for name, config in configs.items()}
+        no_reuse = [{name: engine(name, "tiers", config, 0, UNIQUE)["unique"] for name, config in configs.items()}
+                    for _ in range(ROUNDS)]
+        slow = {"recompute": engine("slow disk, kvtier off", "slow", None)}
+        for policy in ("auto", "always"):
+            config = {"cpu_bytes_to_use": 16 * BLOCK_NBYTES, "load_policy": policy, "secondary_tiers": [disk]}
+            slow[policy] = engine(f"slow disk, load_policy {policy}", "slow", config)
     med = {name: {k: statistics.median(v) for k, v in r.items() if v} for name, r in runs.items()}
     p99_ratios = {on: [p99(r[on]) / p99(r["off"]) for r in no_reuse] for on in ("host", "disk")}
+    slow_ratios = {policy: [a / b for a, b in zip(slow[policy]["ttft"], slow["recompute"]["ttft"])]
+                   for policy in ("auto", "always")}
     result = {
         "ttft_host_vs_recompute": med["host"]["restored"] / med["off"]["restored"],
         "ttft_disk_vs_recompute": med["disk"]["restored"] / med["off"]["restored"],
@@ -112,12 +150,18 @@ def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
         "p99_ttft_no_reuse_on_vs_off": statistics.median(p99_ratios["host"]),
         "p99_ttft_no_reuse_disk_on_vs_off": statistics.median(p99_ratios["disk"]),
         "p99_ttft_no_reuse_rounds": p99_ratios,
+        "ttft_slow_disk_auto_vs_recompute": statistics.median(slow_ratios["auto"]),
+        "ttft_slow_disk_always_vs_recompute": statistics.median(slow_ratios["always"]),
+        "slow_disk": {"delay_s_per_read": SLOW_DELAY_S, "requests": SLOW_REQUESTS,
+                      "ratio_p10_p90": {p: [percentile(v, 0.1), percentile(v, 0.9)] for p, v in slow_ratios.items()},
+                      "ttft_ms_median": {n: 1e3 * statistics.median(r["ttft"]) for n, r in slow.items()},
+                      "served_from_disk": {n: sum(c > 0 for c in r["cached"]) for n, r in slow.items()}},
         "no_reuse_ttft_ms": [{name: {"p50": 1e3 * statistics.median(v), "p99": 1e3 * p99(v)} for name, v in r.items()}
                              for r in no_reuse],
         "ttft_ms": {name: {k: 1e3 * v for k, v in m.items() if k != "restored_cached"} for name, m in med.items()},
         "restored_cached_tokens": {name: r["restored_cached"] for name, r in runs.items()},
         "targets": {"ttft_host_vs_recompute": 0.3, "ttft_disk_vs_recompute": 0.5, "ttft_host_vs_engine_hit": 1.5,
-                    "p99_ttft_no_reuse_on_vs_off": 1.05},
+                    "p99_ttft_no_reuse_on_vs_off": 1.05, "ttft_slow_disk_auto_vs_recompute": 1.05},
         "prompt_tokens": PROMPT, "repetitions": REPS, "unique_prompts": UNIQUE, "no_reuse_rounds": ROUNDS,
     }
     table = Table(title=f"kvtier on vLLM (CPU, tiny model): TTFT ratios, medians of {REPS} prompts of {PROMPT} tokens")
@@ -127,7 +171,8 @@ def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
         ok = result[name] <= target
         table.add_row(name, f"{result[name]:.3f}", f"≤ {target}", "ok" if ok else "MISSED")
     disk = "p99_ttft_no_reuse_disk_on_vs_off"  # not a target: what adding the disk tier costs unique traffic here
-    table.add_row(disk, f"{result[disk]:.3f}", "—", "reported")
+    for name in (disk, "ttft_slow_disk_always_vs_recompute"):  # not targets: what a slow tier costs without a guard
+        table.add_row(name, f"{result[name]:.3f}", "—", "reported")
     console.print(table)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
@@ -136,4 +181,7 @@ def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
 
 
 if __name__ == "__main__":
-    _engine_main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    if sys.argv[1] == "slow":
+        _slow_disk_main(sys.argv[2], sys.argv[3], sys.argv[4])
+    else:
+        _tiers_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))

@@ -8,6 +8,7 @@ names file, line and field) or ConfigError; the CLI turns both into exit code 2.
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from pathlib import Path
 
@@ -81,6 +82,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     simulate.add_argument("--instances", type=int, help="prefill servers (default: recomputing every prompt "
                           "would keep them 70%% busy)")
     simulate.add_argument("--itl-ms", type=float, default=20, help="decode ms per output token (default 20)")
+    simulate.add_argument("--guard", metavar="JSON", help="run the guard (the rollback rule) in every configuration "
+                          "with tiers: the config's `guard` object, e.g. '{\"ttft_p99_ms\": 2000, \"window_s\": 60}' "
+                          "(or a file holding it); the report says when it turned a tier off")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -166,6 +170,7 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from kvtier.config import parse_guard
     from kvtier.sim.configs import SimConfig, builtin_configs, load_config_file
     from kvtier.sim.present import simulation_report
     from kvtier.sim.simulate import Deployment, auto_instances, simulate
@@ -174,6 +179,8 @@ def _simulate(args: argparse.Namespace) -> int:
         raise ValueError(f"--instances must be > 0, got {args.instances}")
     cost = _cost(args, args.itl_ms)
     configs = [load_config_file(path) for path in args.config or []]
+    guard = parse_guard(args.guard) if args.guard else None
+    logging.getLogger("kvtier.guard").setLevel(logging.ERROR)  # simulated transitions go in the report, not the log
     started = time.perf_counter()
     stream, notes = _requests(args)
     requests = list(stream)
@@ -204,7 +211,7 @@ def _simulate(args: argparse.Namespace) -> int:
             if not step[0] % 500:
                 progress.update(task, completed=step[0])
 
-        results = simulate(requests, configs, dep, on_request=advance)
+        results = simulate(requests, configs, dep, on_request=advance, guard=guard)
     report = simulation_report(str(args.trace), results, dep, notes)
     report.data["seconds"] = time.perf_counter() - started
     _emit(report, args)

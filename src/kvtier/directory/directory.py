@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from kvtier.directory.plan import CALLER, Op, Plan, Status, Step
@@ -68,15 +69,17 @@ class Directory(SharedTierPlans):
 
     # ---------------------------------------------------------------- loads
 
-    def plan_load(self, keys: Sequence[bytes], shared_end: int = 0, parent: bytes | None = None) -> Plan:
+    def plan_load(self, keys: Sequence[bytes], shared_end: int = 0, parent: bytes | None = None,
+                  skip: AbstractSet[str] = frozenset()) -> Plan:
         """Pin the readable prefix and plan its way to the caller; blocks in slower tiers are staged in the first.
 
         `shared_end`: the shared tier holds `keys[:shared_end]` beyond the local prefix (the caller asked it,
         outside the directory); those blocks are fetched through the first tier after the local prefix, as far
         as room allows. A stale answer costs a failed fetch (a miss), never a wrong block. `parent`: the key
-        before `keys[0]`, when the caller holds a prefix of the chain itself.
+        before `keys[0]`, when the caller holds a prefix of the chain itself. `skip`: tiers this load must not
+        read (the guard's route for its request).
         """
-        sources = self.lookup(keys)
+        sources = self.lookup(keys, skip)
         first = self.tiers[0]
         plan = Plan(chains=[], keys=list(keys[: len(sources)]), sources=sources)
         for key in plan.keys:
@@ -100,7 +103,8 @@ class Directory(SharedTierPlans):
             slot, chain = room
             self._stage(block, source, block.copies[source].slot, slot, chain, i, plan)
             promoted.append(block)
-        fetched = self._plan_fetch(plan, keys, shared_end, parent) if whole else []
+        fetch = whole and self.shared is not None and self.shared.name not in skip
+        fetched = self._plan_fetch(plan, keys, shared_end, parent) if fetch else []
         # Making room may have evicted an ancestor the load does not pin (the engine's own hit), dropping blocks
         # of this load with it: they are still served to this request (pinned), but retire after it and never
         # enter a policy. Fetched blocks go in leaf first: ancestors end up more recent than descendants.
@@ -130,9 +134,13 @@ class Directory(SharedTierPlans):
         the plan, and skips the blocks the shared tier already holds.
         """
         first = self.tiers[0]
-        offer = self.shared is not None  # write-through to the shared tier, until its admission says no
-        through = [t for t in self.tiers[1:] if t.spec.write_through]
         plan = Plan(chains=[])
+        if first.name in self.disabled:
+            self.stats.stores_dropped["tier_off"] += sum(1 for key in keys if key not in self._blocks)
+            return plan
+        # write-through to the shared tier, until its admission says no
+        offer = self.shared is not None and self.shared.name not in self.disabled
+        through = [t for t in self.tiers[1:] if t.spec.write_through and t.name not in self.disabled]
         chain_blocks: list[Block] = []
         new: set[bytes] = set()
         held: list[bytes] = []  # the chain's existing blocks stay put while we make room for the new ones

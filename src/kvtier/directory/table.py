@@ -14,9 +14,18 @@ import itertools
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 
 from kvtier.directory.plan import CALLER, Op, Plan, Step
-from kvtier.directory.state import Block, Copy, DirectoryStats, NoRoom, State, Tier, TierSpec
+from kvtier.directory.state import (
+    Block,
+    Copy,
+    DirectoryStats,
+    NoRoom,
+    State,
+    Tier,
+    TierSpec,
+)
 
 LEAF_SCAN = 32  # how many evictable candidates to look past for one whose loss orphans nothing
 
@@ -42,13 +51,18 @@ class BlockTable:
         self._holding: set[int] = set()  # the step reads a copy it holds (one of its readers)
         self._accounted: set[int] = set()  # a delete whose bytes still count against its tier
         self._owed: Counter[str] = Counter()  # tier -> files a failed delete left, counted by the next lost copy
+        self.disabled: frozenset[str] = frozenset()  # tiers nothing new is written to (the guard turned them off)
 
     # ---------------------------------------------------------------- lookups
 
-    def lookup(self, keys: Sequence[bytes]) -> list[str]:
-        """The tier each block of the longest readable prefix would come from (fastest first). No side effects."""
+    def lookup(self, keys: Sequence[bytes], skip: AbstractSet[str] = frozenset()) -> list[str]:
+        """The tier each block of the longest readable prefix would come from (fastest first), reading none of
+        the tiers in `skip` (the guard's). Without the first tier, none: it stages every other. No side effects."""
         found: list[str] = []
-        blocks, order, ready = self._blocks, self._order, State.READY
+        if self._order[0] in skip:
+            return found
+        blocks, ready = self._blocks, State.READY
+        order = [name for name in self._order if name not in skip] if skip else self._order
         for key in keys:
             block = blocks.get(key)
             if block is None:
@@ -208,7 +222,7 @@ class BlockTable:
         """The policy's first evictable candidate, unless a few more on its list can go without orphaning."""
         fallback: Block | None = None
         looked = 0
-        has_lower = tier.index + 1 < len(self.tiers)
+        has_lower = any(t.name not in self.disabled for t in self.tiers[tier.index + 1 :])  # a demotion keeps it
         for key in tier.policy.candidates(incoming):
             block = self._blocks[key]
             copy = block.copies[tier.name]
@@ -229,8 +243,10 @@ class BlockTable:
         tier.policy.evicted(block.key)
         self.stats.evictions[(tier.name, reason)] += 1
         lower = self.tiers[tier.index + 1 :]
-        if demote and lower and not any(t.name in block.copies for t in lower):
-            self._copy_down(block, tier, lower[0], chain, src_slot=copy.slot)
+        if demote and not any(t.name in block.copies for t in lower):
+            target = next((t for t in lower if t.name not in self.disabled), None)
+            if target is not None:
+                self._copy_down(block, tier, target, chain, src_slot=copy.slot)
         tier.used_blocks -= 1
         if tier.spec.slotted:
             tier.free_slots.append(copy.slot)

@@ -51,6 +51,10 @@ def simulation_report(source: str, results: Sequence[SimResult], dep: Deployment
                    "load + prefill, from the cost model."),
         Table("evictions, admission rejects, dropped stores (blocks)", ["configuration", "evictions",
               "admission rejects", "stores dropped"], [_drops(r) for r in results if r.config.extra is not None]),
+        Table("load or recompute, and the guard", ["configuration", "load decisions", "guard: tier off (s)"],
+              [_guard(r) for r in results if r.config.extra is not None],
+              note="decisions per request that found blocks: load all, partial (a prefix), recompute. Off: from "
+                   "the guard's turning the tier off to its return (a probe is off for most requests)."),
         Plot("TTFT distribution", lambda ax: _ttft_cdf(ax, results), "TTFT (s)", "share of requests"),
         Plot("prompt tokens by source", lambda ax: _sources(ax, results), "", "share of prompt tokens"),
         Heading("Recommendation"),
@@ -82,6 +86,12 @@ def _drops(r: SimResult) -> list[str]:
         return ", ".join(f"{'/'.join(k) if isinstance(k, tuple) else k} {n:,}" for k, n in sorted(counter.items())) or "-"
 
     return [r.name, fmt(r.evictions), fmt(r.admission_rejects), fmt(r.stores_dropped)]
+
+
+def _guard(r: SimResult) -> list[str]:
+    decisions = ", ".join(f"{t} {d} {n:,}" for (t, d), n in sorted(r.load_decisions.items())) or "-"
+    off = ", ".join(f"{t} {a:,.0f}–{'end' if b is None else f'{b:,.0f}'}" for t, a, b in r.guard_off()) or "-"
+    return [r.name, decisions, off]
 
 
 def _ttft_cdf(ax, results: Sequence[SimResult]) -> None:

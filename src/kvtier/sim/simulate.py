@@ -11,6 +11,10 @@ servers that share one cache (engine KV + kvtier tiers, as with prefix-affinity 
 is busy while its prefix loads and while it prefills the rest. Loads queue on their links (disk reads, then
 host -> GPU over PCIe, pipelined); stores and demotions are background writes: counted in bytes, not in TTFT.
 TTFT = queueing + load + prefill. Decode time (output tokens x ITL) only decides when the blocks are stored.
+
+The runtime's guard and decision run here on the virtual clock: each request loads only the prefix the
+decision offers (fitted to the simulated transfers and prefills, as at runtime to measured ones), reads no
+tier the guard has turned off, and reports its TTFT and ITL to the guard at its first token and at its end.
 """
 
 from __future__ import annotations
@@ -25,7 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.config import GuardConfig
+from kvtier.decide import Decider
 from kvtier.directory import CALLER, Directory
+from kvtier.guard import Guard, State, Transition, request_source
 from kvtier.policies.base import DEFAULT_PRIORITY
 from kvtier.sim.configs import SimConfig
 from kvtier.sim.cost import CostModel
@@ -72,6 +79,21 @@ class SimResult:
     admission_rejects: Counter = field(default_factory=Counter)
     stores_dropped: Counter = field(default_factory=Counter)
     busy_s: float = 0.0
+    load_decisions: Counter = field(default_factory=Counter)  # (tier, load | partial | recompute)
+    guard: list[Transition] = field(default_factory=list)
+    end_s: float = 0.0  # the virtual clock when the last request finished
+
+    def guard_off(self) -> list[tuple[str, float, float | None]]:
+        """(tier, from, until) for each time the guard turned a tier off; until None: off to the end."""
+        spans: list[tuple[str, float, float | None]] = []
+        open_since: dict[str, float] = {}
+        for t in self.guard:
+            if t.to is State.OFF and t.tier not in open_since:
+                open_since[t.tier] = t.at
+            elif t.to is State.ON and t.tier in open_since:
+                spans.append((t.tier, open_since.pop(t.tier), t.at))
+        spans += [(tier, since, None) for tier, since in open_since.items()]
+        return sorted(spans, key=lambda s: s[1])
 
     @property
     def name(self) -> str:
@@ -101,6 +123,10 @@ class SimResult:
             "evictions": {f"{t}/{r}": n for (t, r), n in self.evictions.items()},
             "admission_rejects": {f"{t}/{r}": n for (t, r), n in self.admission_rejects.items()},
             "stores_dropped": dict(self.stores_dropped),
+            "load_decisions": {f"{t}/{d}": n for (t, d), n in self.load_decisions.items()},
+            "guard_off": [{"tier": t, "from_s": a, "until_s": b} for t, a, b in self.guard_off()],
+            "guard_transitions": [{"tier": t.tier, "to": t.to.value, "at_s": t.at, "reason": t.reason}
+                                  for t in self.guard],
         }
 
 
@@ -127,24 +153,32 @@ class _Links:
 
 def simulate(
     requests: Sequence[TraceRequest], configs: Sequence[SimConfig], deployment: Deployment,
-    on_request: Callable[[], None] | None = None,
+    on_request: Callable[[], None] | None = None, guard: GuardConfig | None = None,
 ) -> list[SimResult]:
-    """One result per configuration, all from the same requests (in arrival order) and deployment."""
+    """One result per configuration, all from the same requests (in arrival order) and deployment. `guard`:
+    the guard of every configuration with tiers (else each runs its own config's, if it has one)."""
     requests = sorted(requests, key=lambda r: r.timestamp)
     keys = [[b.to_bytes(8, "little") for b in r.blocks] for r in requests]
     with tempfile.TemporaryDirectory(prefix="kvtier-sim-") as scratch:
-        return [_run(requests, keys, c, deployment, Path(scratch), on_request) for c in configs]
+        return [_run(requests, keys, c, deployment, Path(scratch), on_request, guard) for c in configs]
 
 
 def _run(
     requests: Sequence[TraceRequest], keys: Sequence[list[bytes]], sim_config: SimConfig, dep: Deployment,
-    scratch: Path, on_request: Callable[[], None] | None,
+    scratch: Path, on_request: Callable[[], None] | None, guard_config: GuardConfig | None,
 ) -> SimResult:
     now = [0.0]
     config = sim_config.validated(scratch)
-    directory = None
+    directory = decider = guard = None
+    tier_order: list[str] = []
     if config is not None:
         directory = Directory(tier_specs(config, dep.block_bytes), clock=lambda: now[0])
+        tier_order = [t.name for t in directory.tiers]
+        decider = Decider(config.load_policy, config.max_load_tokens, config.prefill_tokens_per_s, dep.block_bytes)
+        guard_config = guard_config or config.guard
+        if guard_config is not None:
+            guard = Guard(guard_config, tier_order, start=requests[0].timestamp if requests else 0.0)
+    sources_of: list[str] = [ENGINE] * len(requests)
     engine = EngineCache(dep.engine_blocks)
     cost, block_bytes = dep.cost, dep.block_bytes
     result = SimResult(sim_config)
@@ -160,7 +194,14 @@ def _run(
             full = _full_blocks(requests[i])
             if kind == 0:
                 engine.insert(requests[i].blocks[:full])
-            elif directory is not None and full:
+                if guard is not None:
+                    guard.observe(sources_of[i], when, ttft_s=ttft[i])
+                continue
+            if guard is not None and directory is not None:
+                if requests[i].output_tokens > 1:
+                    guard.observe(sources_of[i], when, itl_s=[cost.itl_s])
+                directory.disabled = guard.off()
+            if directory is not None and full:
                 complete_instantly(directory, directory.plan_store(keys[i][:full], priority=_priority(requests[i])))
 
     for i, request in enumerate(requests):
@@ -171,8 +212,15 @@ def _run(
         blocks, bt = request.blocks, request.block_tokens
         in_engine = engine.hit_prefix(blocks)
         sources: list[str] = [ENGINE] * in_engine
-        if directory is not None and in_engine < len(blocks):
-            plan = directory.plan_load(keys[i][in_engine:])
+        if directory is not None and decider is not None and in_engine < len(blocks):
+            skip = guard.route(start) if guard is not None else frozenset()
+            if guard is not None:
+                directory.disabled = guard.off()
+            found = directory.lookup(keys[i][in_engine:], skip)
+            tokens = [min(bt, request.input_tokens - j * bt) for j in range(in_engine, in_engine + len(found))]
+            _queue(decider, directory, cost, links, start)
+            take = decider.blocks_to_load(found, tokens, start, count_as=request_source(found, tier_order, False))
+            plan = directory.plan_load(keys[i][in_engine : in_engine + take], skip=skip)
             complete_instantly(directory, plan)
             directory.finish_load(plan)
             directory.record_lookup(plan.sources, len(blocks) - in_engine)
@@ -181,6 +229,10 @@ def _run(
         cached_tokens = max(0, min(len(sources) * bt, request.input_tokens - 1))  # the last token is computed
         prefill = cost.prefill_seconds(request.input_tokens - cached_tokens, cached_tokens)
         done = loaded_at + prefill
+        if decider is not None:
+            _measured(decider, sources[in_engine:], tier_order, block_bytes, loaded_at - start, start)
+            decider.prefill.add(request.input_tokens - cached_tokens, prefill)
+        sources_of[i] = request_source(sources, tier_order, in_engine > 0)
         heapq.heappush(servers, done)
         ttft[i] = done - request.timestamp
         result.busy_s += done - start
@@ -191,6 +243,12 @@ def _run(
             on_request()
     apply_events(math.inf)
     result.ttft_s = ttft
+    result.end_s = now[0]
+    if guard is not None:
+        guard.tick(now[0])
+        result.guard = guard.history
+    if decider is not None:
+        result.load_decisions = decider.decisions
     if directory is not None:
         stats = directory.stats
         for (src, dst), n in stats.planned_moves.items():
@@ -221,6 +279,21 @@ def _load(sources: Sequence[str], directory: Directory | None, cost: CostModel, 
         read = links.transfer(first_link.name, first_link.seconds(n * block_bytes), start)
         done = max(done, read + cost.pcie.seconds(block_bytes))  # the last block still crosses PCIe
     return done
+
+
+def _queue(decider: Decider, directory: Directory, cost: CostModel, links: _Links, at: float) -> None:
+    """Bytes waiting on each tier's first link at `at`: what a load from it queues behind."""
+    for tier in directory.tiers:
+        link = cost.tier_path(tier.spec.kind)[0]
+        decider.queued[tier.name] = max(0.0, links.free_at[link.name] - at) * link.bytes_per_s
+
+
+def _measured(decider: Decider, loaded: Sequence[str], tier_order: Sequence[str], block_bytes: int, seconds: float,
+              at: float) -> None:
+    """What the runtime measures of a load: its slowest tier's bytes, and how long it took."""
+    if loaded:
+        slowest = request_source(loaded, tier_order, False)
+        decider.transferred(slowest, loaded.count(slowest) * block_bytes, seconds, at)
 
 
 def _count(result: SimResult, request: TraceRequest, sources: Sequence[str], block_bytes: int) -> None:

@@ -44,6 +44,7 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     its status is the worst any rank saw (a block is only whole if every shard of it is)."""
 
     completions: dict[int, tuple[Status, int]] = field(default_factory=dict)  # step id -> (status, reports)
+    transfers: list[tuple[dict[str, int], float]] = field(default_factory=list)  # loads: (blocks per tier, seconds)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
@@ -54,7 +55,7 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
                 merged[step_id] = (worst(mine, status), m + n)
             else:
                 merged[step_id] = (status, n)
-        return KVTierWorkerMetadata(merged)
+        return KVTierWorkerMetadata(merged, self.transfers + other.transfers)
 
 
 _RANK = {Status.OK: 0, Status.FAILED: 1, Status.SOURCE_LOST: 2}

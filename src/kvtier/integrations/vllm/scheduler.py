@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvtier.config import KVTierConfig
 from kvtier.directory import Directory, Op, Plan, Status, Step
+from kvtier.integrations.vllm.control import Control
 from kvtier.integrations.vllm.messages import (
     EngineBlocks,
     KVTierMetadata,
@@ -39,6 +40,7 @@ from kvtier.wiring import disk_stores, recover, redis_store
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ class _Pending:
     steps: dict[int, Step]
     kind: str  # "load" | "store" | "delete"
     request_id: str  # the request a load or store is for
+    queued: Counter = field(default_factory=Counter)  # a load: its bytes per tier, queued until it completes
     reports: Counter = field(default_factory=Counter)  # step id -> ranks that reported it
     statuses: dict[int, Status] = field(default_factory=dict)  # step id -> the worst status a rank reported
 
@@ -65,6 +68,7 @@ class _Lookup(NamedTuple):
     end: int  # the token the promise ends at
     local: int  # tokens vLLM already held (its own prefix hit)
     fetch: bool  # some blocks come from the shared tier
+    skip: frozenset[str]  # the tiers the guard keeps this request from reading
     sync: bool  # all from host: loaded before this step's forward
 
 
@@ -92,32 +96,42 @@ class SchedulerSide:
         self._generation = b""  # appended to every key once vLLM reset its prefix cache (see reset_cache)
         self._orphans: dict[str, int] = {}
         self._audited_at = float("-inf")
+        self.control = Control(config, self.directory, geometry.block_nbytes)
         self._recover()
 
     # ---------------------------------------------------------------- vLLM's scheduler hooks
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         keys = self._keys(request)
-        first = num_computed_tokens // self.geo.block_tokens
-        sources = self.directory.lookup(keys[first:])
+        bt = self.geo.block_tokens
+        first = num_computed_tokens // bt
+        skip = self.control.route(request, engine_hit=num_computed_tokens > 0)
+        sources = self.directory.lookup(keys[first:], skip)
         local = first + len(sources)
-        shared = self._shared_blocks(request.request_id, keys, local)
+        shared = self._shared_blocks(request.request_id, keys, local, skip)
         if shared is None:
             return None, False  # the shared tier has not answered yet: vLLM asks again next step
-        end = min((local + shared) * self.geo.block_tokens, self._last_loadable(request))
+        last = self._last_loadable(request)
+        found = sources + [self.directory.shared.name] * shared if shared else sources
+        tokens = [min((first + i + 1) * bt, last) - max((first + i) * bt, num_computed_tokens)
+                  for i in range(len(found))]
+        while tokens and tokens[-1] <= 0:
+            tokens.pop()
+        take = self.control.blocks_to_load(request.request_id, found[: len(tokens)], tokens)
+        end = min((first + take) * bt, last)
         promised = end - num_computed_tokens
         if promised <= 0:
             self._lookups.pop(request.request_id, None)
             return 0, False
-        blocks = -(-(end - first * self.geo.block_tokens) // self.geo.block_tokens)
-        host_only = all(self.directory.kind(s) is TierKind.HOST for s in sources[:blocks])
-        sync = shared == 0 and host_only  # see the module's doc
-        self._lookups[request.request_id] = _Lookup(first, blocks, end, num_computed_tokens, shared > 0, sync)
+        blocks = -(-(end - first * bt) // bt)
+        fetch = blocks > len(sources)
+        sync = not fetch and all(self.directory.kind(s) is TierKind.HOST for s in sources[:blocks])  # module doc
+        self._lookups[request.request_id] = _Lookup(first, blocks, end, num_computed_tokens, fetch, skip, sync)
         return promised, not sync
 
-    def _shared_blocks(self, request_id: str, keys: list[bytes], local: int) -> int | None:
+    def _shared_blocks(self, request_id: str, keys: list[bytes], local: int, skip: frozenset[str]) -> int | None:
         """How many blocks after `keys[:local]` the shared tier holds; None while it is being asked."""
-        if self._asking is None or local >= len(keys):
+        if self._asking is None or local >= len(keys) or self.directory.shared.name in skip:
             return 0
         asked = self._asked.get(request_id)
         if asked is None or asked[0] != local:
@@ -144,14 +158,15 @@ class SchedulerSide:
             return
         # vLLM has not updated request.num_computed_tokens yet (and after a failed load it is stale): the local
         # hit it told us in get_num_new_matched_tokens is the truth about which engine blocks it already holds.
-        first, promised, end, local, fetch, sync = promise
+        first, promised, end, local, fetch, skip_tiers, sync = promise
         all_keys = self._keys(request)
         keys = all_keys[first : first + promised]
         engine_ids = blocks.get_block_ids()[0]
         skip = local // self.geo.engine_block_size  # engine blocks vLLM already has
         plan = self.directory.plan_load(keys, shared_end=len(keys) if fetch else 0,
-                                        parent=all_keys[first - 1] if first else None)
+                                        parent=all_keys[first - 1] if first else None, skip=skip_tiers)
         self.directory.record_lookup(plan.sources, len(keys))
+        self.control.served(request, plan.sources, engine_hit=local > 0)
         for i, source in enumerate(plan.sources):  # tokens each tier really serves to this request
             lo = max((first + i) * self.geo.block_tokens, local)
             self.stats[f"tokens_{source}"] += max(0, min((first + i + 1) * self.geo.block_tokens, end) - lo)
@@ -167,6 +182,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Store the request's computed full blocks; hold its engine blocks until the workers copied them."""
+        self.control.finished(request)
         self._asked.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         if request.request_id in self._loading:
@@ -222,6 +238,9 @@ class SchedulerSide:
                 "orphan_blocks": self._audit_orphans(),
             },
         }
+        counters, gauges = self.control.payload(self._deltas)
+        payload["counters"].update(counters)
+        payload["gauges"].update(gauges)
         if self.shared_store is not None:
             add_breaker(payload, self.shared_store, d.shared.name, "scheduler", self._deltas)
         return payload
@@ -236,7 +255,9 @@ class SchedulerSide:
         """Stores or deletes not yet shipped or not yet completed: the engine must keep stepping to drain them."""
         return bool(self._stores or self._deletes or any(p.kind != "load" for p in self._pending.values()))
 
-    def build_connector_meta(self, idle: bool) -> KVTierMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
+        self.control.step(scheduler_output)
+        idle = scheduler_output.total_num_scheduled_tokens == 0
         meta = KVTierMetadata(self._loads, self._stores, self._deletes, idle)
         self._loads, self._stores, self._deletes = [], [], []
         return meta
@@ -248,6 +269,7 @@ class SchedulerSide:
         self._settling.clear()
         if worker_meta is None:
             return
+        self.control.transferred(worker_meta.transfers)
         for step_id, (status, reports) in worker_meta.completions.items():
             plan_id = self._plan_of_step.get(step_id)
             if plan_id is None:
@@ -263,6 +285,7 @@ class SchedulerSide:
                 del self._pending[plan_id]
                 if pending.kind == "load":
                     self.directory.finish_load(pending.plan)
+                    self.control.shipped(pending.queued, -1)
                     if self._loading.get(pending.request_id):  # synchronous: its errors came in this step
                         del self._loading[pending.request_id]
                 elif pending.kind == "store":
@@ -291,7 +314,10 @@ class SchedulerSide:
                 self.directory.finish_load(plan)
             return
         plan_id = min(steps)
-        self._pending[plan_id] = _Pending(plan, steps, kind, request_id)
+        pending = self._pending[plan_id] = _Pending(plan, steps, kind, request_id)
+        if kind == "load":
+            pending.queued = Counter({tier: n * self.geo.block_nbytes for tier, n in Counter(plan.sources).items()})
+            self.control.shipped(pending.queued, +1)
         for step_id in steps:
             self._plan_of_step[step_id] = plan_id
         if kind == "store":

@@ -11,6 +11,8 @@ import logging
 import math
 import os
 import threading
+import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -47,6 +49,16 @@ def engine_pages(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[to
     return pages
 
 
+def _loaded_from(chain: list[Step]) -> str:
+    """The tier a load chain's block comes from: its GET's source, or what was staged there right before it (the
+    chain may start with the evictions that made room)."""
+    get = next(i for i, step in enumerate(chain) if step.op is Op.GET)
+    staged = chain[get - 1] if get else None
+    if staged is not None and staged.op is Op.COPY and staged.dst == chain[get].src and staged.key == chain[get].key:
+        return staged.src
+    return chain[get].src
+
+
 class WorkerSide:
     def __init__(self, config: KVTierConfig, geo: Geometry, rank: int) -> None:
         self.config = config
@@ -59,6 +71,7 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._sent = threading.Condition(self._lock)  # a held request's blocks are all copied out
         self._completions: dict[int, Status] = {}
+        self._transfers: list[tuple[dict[str, int], float]] = []  # completed loads: (blocks per tier, seconds)
         self._sending: set[str] = set()
         self._recving: set[str] = set()
         self._load_errors: set[int] = set()
@@ -116,6 +129,7 @@ class WorkerSide:
 
     def _run_load(self, job: LoadJob, ready: Any) -> None:
         assert self.mover is not None
+        started = time.perf_counter()
         try:
             out = [self._parts(t) for t in job.targets]
             delivered = self.mover.load(Plan(chains=job.chains), out, ready) if job.chains else []
@@ -123,7 +137,11 @@ class WorkerSide:
             log.exception("kvtier: a load for request %s failed", job.request_id)
             delivered = [False] * len(job.targets)
         failed = {b for t, ok in zip(job.targets, delivered) if not ok for b in t if b is not None}
+        # what the decision learns tiers' speeds from: the blocks each tier delivered, and how long it took
+        tiers = Counter(_loaded_from(chain) for chain in job.chains if any(step.op is Op.GET for step in chain))
         with self._lock:  # errors before the request is reported: vLLM reads them after get_finished
+            if tiers and not failed:
+                self._transfers.append((dict(tiers), time.perf_counter() - started))
             self._load_errors |= failed | set(job.unavailable)
             if not job.sync:  # vLLM waits for an asynchronous load to be reported; a synchronous one it ran
                 self._recving.add(job.request_id)
@@ -176,7 +194,10 @@ class WorkerSide:
     def worker_meta(self) -> KVTierWorkerMetadata | None:
         with self._lock:
             done, self._completions = self._completions, {}
-        return KVTierWorkerMetadata({i: (s, 1) for i, s in done.items()}) if done else None
+            transfers, self._transfers = self._transfers, []
+        if not done and not transfers:
+            return None
+        return KVTierWorkerMetadata({i: (s, 1) for i, s in done.items()}, transfers)
 
     def stats_payload(self) -> dict:
         """What the data plane did since the last call."""

@@ -1,0 +1,201 @@
+"""The guard: the rollback rule of a tiered rollout, built in. Pure Python on an explicit clock (`now`), so the
+vLLM scheduler half, the in-process cache and the simulator run the same rule.
+
+Each finished request's latency is attributed to the source of its prefix: the slowest kvtier tier that served
+any of it, else "engine" (vLLM's own cache) or "recompute". Per window of `window_s` and per source, the p99
+of TTFT and of ITL are compared with the budgets. A tier is turned off once its own requests broke a budget in
+`breach_windows` of the last `of_windows` windows (each with at least `min_requests` of them); when several
+tiers qualify at once, only the first in `order` goes (one change at a time: every tier's history starts over).
+Off, it is read by no request and written by nothing; its contents are kept. After `hold_s` it is probed: a
+`probe_share` of requests read it again, and it is back on after `breach_windows` probe windows in a row within
+budget (a probe window needs `probe_share` of `min_requests`, at least one); a breached one turns it off again.
+The engine's own cache is never a tier here: nothing can turn it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvtier.config import GuardConfig
+
+log = logging.getLogger(__name__)
+ENGINE = "engine"  # the request's prefix came from vLLM's own cache only
+RECOMPUTE = "recompute"  # nothing was cached
+SIGNALS = ("ttft", "itl")
+
+
+class State(Enum):
+    ON = "on"
+    OFF = "off"
+    PROBE = "probe"
+
+
+def request_source(served: Iterable[str], tier_order: Sequence[str], engine_hit: bool) -> str:
+    """Where a request's prefix came from, for attribution: its slowest kvtier tier (latest in `tier_order`)."""
+    tiers = set(served) & set(tier_order)
+    if tiers:
+        return max(tiers, key=tier_order.index)
+    return ENGINE if engine_hit else RECOMPUTE
+
+
+def p99(values: Sequence[float]) -> float:
+    """Nearest rank: with fewer than 100 samples, the largest is the p99."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+@dataclass(frozen=True)
+class Transition:
+    tier: str
+    to: State
+    at: float
+    reason: str
+
+
+@dataclass
+class _Window:
+    """One window's samples, by source: TTFTs (one per request), ITL gaps and the requests they came from."""
+
+    ttft: dict[str, list[float]] = field(default_factory=dict)
+    itl: dict[str, list[float]] = field(default_factory=dict)
+    itl_requests: Counter = field(default_factory=Counter)
+
+    def requests(self, source: str, signal: str) -> int:
+        return len(self.ttft.get(source, ())) if signal == "ttft" else self.itl_requests[source]
+
+
+@dataclass
+class _Tier:
+    state: State = State.ON
+    since: float = 0.0  # when it entered its state
+    breaches: deque = field(default_factory=deque)  # ON: the verdicts of its last windows (True: breached)
+    clean: int = 0  # PROBE: probe windows within budget, in a row
+    credit: float = 0.0  # PROBE: the share of requests owed to the probe
+
+
+class Guard:
+    def __init__(self, config: GuardConfig, tiers: Sequence[str], start: float = 0.0) -> None:
+        """`tiers`: kvtier's tiers, fastest first (host, disk, ..., redis); by default the newest, the last one,
+        goes first when several break the budget."""
+        self.config = config
+        self.budget = {"ttft": config.ttft_p99_ms, "itl": config.itl_p99_ms}
+        self.order = list(config.order or []) + [t for t in reversed(tiers) if t not in (config.order or [])]
+        self._tiers = {name: _Tier(since=start, breaches=deque(maxlen=config.of_windows)) for name in tiers}
+        self._probe_min = max(1, math.ceil(config.min_requests * config.probe_share))
+        self._window = _Window()
+        self._window_end = start + config.window_s
+        self.transitions: Counter = Counter()  # (tier, state value) -> times
+        self.window_p99: dict[tuple[str, str], float] = {}  # (source, signal) -> p99 of the last window, seconds
+        self.history: list[Transition] = []  # every transition (they are rare)
+
+    # ---------------------------------------------------------------- what drivers ask
+
+    def state(self, tier: str) -> State:
+        return self._tiers[tier].state
+
+    def enabled(self, tier: str) -> bool:
+        return self._tiers[tier].state is State.ON
+
+    def off(self) -> frozenset[str]:
+        """Tiers nothing is written to: off or on probe."""
+        return frozenset(name for name, t in self._tiers.items() if t.state is not State.ON)
+
+    def route(self, now: float) -> frozenset[str]:
+        """The tiers one new request must not read: those off, and those on probe unless it is a probe's share."""
+        self.tick(now)
+        skip = set()
+        for name, tier in self._tiers.items():
+            if tier.state is State.OFF:
+                skip.add(name)
+            elif tier.state is State.PROBE:
+                tier.credit += self.config.probe_share
+                if tier.credit >= 1:
+                    tier.credit -= 1
+                else:
+                    skip.add(name)
+        return frozenset(skip)
+
+    def observe(self, source: str, now: float, ttft_s: float | None = None, itl_s: Sequence[float] = ()) -> None:
+        """One request's latency: its TTFT (when it had its first token) and/or its gaps between tokens."""
+        self.tick(now)
+        if ttft_s is not None:
+            self._window.ttft.setdefault(source, []).append(ttft_s)
+        if itl_s:
+            self._window.itl.setdefault(source, []).extend(itl_s)
+            self._window.itl_requests[source] += 1
+
+    def tick(self, now: float) -> None:
+        """Close the windows that ended by `now`; end the holds that are over."""
+        if now >= self._window_end:
+            self._close(self._window_end)
+            self._window = _Window()
+            idle = min(int((now - self._window_end) // self.config.window_s), self.config.of_windows)
+            for k in range(1, idle + 1):  # empty windows: nothing breached
+                self._close(self._window_end + k * self.config.window_s)
+            self._window_end += (int((now - self._window_end) // self.config.window_s) + 1) * self.config.window_s
+        for name, tier in self._tiers.items():
+            if tier.state is State.OFF and now - tier.since >= self.config.hold_s:
+                tier.clean, tier.credit = 0, 1 - self.config.probe_share  # the next request is the first probe
+                self._move(name, State.PROBE, now, f"held {self.config.hold_s:g} s")
+
+    # ---------------------------------------------------------------- windows
+
+    def _close(self, end: float) -> None:
+        window = self._window
+        self.window_p99 = {(source, signal): p99(samples) for signal in SIGNALS
+                           for source, samples in getattr(window, signal).items() if samples}  # fmt: skip
+        start = end - self.config.window_s
+        candidates = []
+        for name, tier in self._tiers.items():
+            if tier.state is State.ON:
+                tier.breaches.append(self._breach(window, name, self.config.min_requests) is not None)
+                if sum(tier.breaches) >= self.config.breach_windows:
+                    candidates.append(name)
+            elif tier.state is State.PROBE and tier.since <= start:
+                self._judge_probe(name, tier, window, end)
+        if candidates:
+            name = min(candidates, key=self.order.index)
+            breached = sum(self._tiers[name].breaches)
+            last = self._breach(window, name, self.config.min_requests)
+            figures = self._figures(name, last, window) + "; " if last else ""
+            self._move(name, State.OFF, end, f"{figures}budget broken in {breached} of the last "
+                       f"{self.config.of_windows} windows of {self.config.window_s:g} s")
+            for tier in self._tiers.values():
+                tier.breaches.clear()  # one change at a time: judge the others on what follows it
+
+    def _judge_probe(self, name: str, tier: _Tier, window: _Window, end: float) -> None:
+        breached = self._breach(window, name, self._probe_min)
+        if breached is not None:
+            self._move(name, State.OFF, end, "probe: " + self._figures(name, breached, window))
+        elif any(window.requests(name, s) >= self._probe_min for s in SIGNALS if self.budget[s] is not None):
+            tier.clean += 1
+            if tier.clean >= self.config.breach_windows:
+                self._move(name, State.ON, end, f"{tier.clean} probe windows within budget")
+
+    def _breach(self, window: _Window, source: str, min_requests: int) -> str | None:
+        """The first signal whose budget `source`'s requests broke in `window`, if they were enough to judge."""
+        for signal in SIGNALS:
+            budget = self.budget[signal]
+            if budget is None or window.requests(source, signal) < min_requests:
+                continue
+            if p99(getattr(window, signal)[source]) * 1e3 > budget:
+                return signal
+        return None
+
+    def _figures(self, name: str, signal: str, window: _Window) -> str:
+        return (f"{signal} p99 {p99(getattr(window, signal)[name]) * 1e3:,.0f} ms > {self.budget[signal]:g} ms "
+                f"over {window.requests(name, signal)} requests in the last window")
+
+    def _move(self, name: str, to: State, at: float, reason: str) -> None:
+        tier = self._tiers[name]
+        tier.state, tier.since = to, at
+        tier.breaches.clear()
+        transition = Transition(name, to, at, reason)
+        self.transitions[(name, to.value)] += 1
+        self.history.append(transition)
+        (log.warning if to is State.OFF else log.info)("kvtier guard: tier %s %s: %s", name, to.value, reason)
