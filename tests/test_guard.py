@@ -158,6 +158,8 @@ def test_guard_config_errors_name_the_field():
 
 def test_link_estimate_fits_latency_and_bandwidth_and_forgets_old_samples():
     link = LinkEstimate()
+    link.add(10**9, 100.0, now=0)  # the first transfer pays one-time costs: not a sample
+    assert link.seconds(1, now=0) == 0
     for i in range(200):
         nbytes = 1_000_000 * (1 + i % 5)
         link.add(nbytes, 0.002 + nbytes / 1e9, now=i * 0.1)
@@ -170,6 +172,8 @@ def test_link_estimate_fits_latency_and_bandwidth_and_forgets_old_samples():
 def test_decider_offers_the_longest_prefix_whose_load_beats_its_recompute():
     block = 1 << 20
     decider = Decider("auto", None, prior_tokens_per_s=10_000, block_bytes=block)  # 0.1 ms per token
+    for tier in ("host", "disk"):
+        decider.transferred(tier, block, 100.0, now=0)  # warm-up, not a sample
     decider.transferred("host", block, 0.001, now=0)  # 1 ms a block: wins against 25.6 ms of recompute
     decider.transferred("disk", block, 0.2, now=0)  # 200 ms a block: loses against 25.6 ms
     sources, tokens = ["host"] * 3 + ["disk"] * 2, [256] * 5
@@ -185,6 +189,7 @@ def test_decider_offers_the_longest_prefix_whose_load_beats_its_recompute():
 
 def test_always_and_max_load_tokens():
     decider = Decider("always", 600, prior_tokens_per_s=1e9, block_bytes=1)
+    decider.transferred("disk", 1, 100.0, now=0)
     decider.transferred("disk", 1, 100.0, now=0)
     assert decider.blocks_to_load(["disk"] * 5, [256] * 5, now=1, count_as="disk") == 2  # 512 <= 600
     assert decider.decisions[("disk", "partial")] == 1

@@ -315,7 +315,7 @@ def test_the_decision_recomputes_what_a_slow_disk_would_serve_late(tiny_model, t
     found = slowed(tiny_model, {"cpu_bytes_to_use": 8 << 20, "secondary_tiers": [disk]}, delay_s=0.4, requests=16)
     slow = [r for r in found["requests"] if r["phase"] == "slow"]
     from_disk = [r for r in slow if r["disk_blocks"]]
-    assert 1 <= len(from_disk) <= 2, "the first load measures the disk; then its loads lose to recomputing"
+    assert 1 <= len(from_disk) <= 3, "the first loads measure the disk; then its loads lose to recomputing"
     decisions = found["decisions"]  # by each request's slowest tier: a prompt loaded once is in host afterwards
     assert decisions.get("disk|load", 0) + decisions.get("disk|partial", 0) == len(from_disk)
     assert decisions["disk|recompute"] >= len(slow) // 2

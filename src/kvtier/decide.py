@@ -23,14 +23,19 @@ LOAD, PARTIAL, RECOMPUTE = "load", "partial", "recompute"
 
 class LinkEstimate:
     """seconds(bytes) = latency + bytes / bandwidth, fitted to exponentially weighted moments of the samples.
-    While the samples' sizes hardly vary, latency and bandwidth cannot be told apart: the fit is proportional."""
+    While the samples' sizes hardly vary, latency and bandwidth cannot be told apart: the fit is proportional.
+    A tier's first transfer is not a sample: it pays one-time costs (threads started, first page faults)."""
 
     def __init__(self) -> None:
         self.samples = 0
         self.updated_at = float("-inf")
+        self.warm = False
         self._x = self._y = self._xx = self._xy = 0.0
 
     def add(self, nbytes: int, seconds: float, now: float) -> None:
+        if not self.warm:
+            self.warm = True
+            return
         if self.samples == 0 or now - self.updated_at > ESTIMATE_TTL_S:
             self.samples = 0
             self._x, self._y, self._xx, self._xy = float(nbytes), seconds, float(nbytes) ** 2, nbytes * seconds
