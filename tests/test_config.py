@@ -69,6 +69,14 @@ def test_cli_config_exit_codes(tmp_path, capsys):
     good.write_text(json.dumps(GOOD))
     assert main(["config", str(good)]) == 0
     assert '"eviction_policy": "lru"' in capsys.readouterr().out
+    whole = tmp_path / "transfer.json"  # what operators pass to vllm serve --kv-transfer-config
+    whole.write_text(json.dumps({"kv_connector": "KVTierConnector", "kv_role": "kv_both",
+                                 "kv_connector_extra_config": {**GOOD, "eviction_policy": "arc"}}))
+    assert main(["config", str(whole)]) == 0
+    assert '"eviction_policy": "arc"' in capsys.readouterr().out
+    whole.write_text(json.dumps({"kv_connector_extra_config": {**GOOD, "block_size": 0}}))
+    assert main(["config", str(whole)]) == 2
+    assert "block_size" in capsys.readouterr().err
 
 
 def test_cli_demo_with_bad_config_exits_2_and_writes_nothing(tmp_path):

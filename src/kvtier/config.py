@@ -258,7 +258,8 @@ def _field_path(loc: tuple[Any, ...]) -> str:
 
 
 def parse_config(data: dict[str, Any] | str | os.PathLike[str]) -> KVTierConfig:
-    """Build a config from a dict, a JSON string or a JSON file; raise ConfigError naming the bad field."""
+    """Build a config from a dict, a JSON string or a JSON file, each either the `kv_connector_extra_config`
+    object or a whole `--kv-transfer-config` holding it; raise ConfigError naming the bad field."""
     return _parse(KVTierConfig, data, "config")
 
 
@@ -283,6 +284,8 @@ def _parse(model: type[_M], data: dict[str, Any] | str | os.PathLike[str], what:
             raise ConfigError(f"{source}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
+    if model is KVTierConfig and isinstance(data.get("kv_connector_extra_config"), dict):
+        data = data["kv_connector_extra_config"]  # a whole --kv-transfer-config
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -62,6 +62,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 )}
 BREAKER_GAUGE = {"closed": 0, "half_open": 1, "open": 2}
 MOVE_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+MAX_OBSERVED = 4096  # move durations kept per pair between two `take_observed` (one engine step)
 
 
 class SharedStore(Protocol):
@@ -83,6 +84,7 @@ class MoveStats:
     seconds: Counter = field(default_factory=Counter)  # (src, dst), total
     integrity_failures: Counter = field(default_factory=Counter)  # tier
     stores_dropped: Counter = field(default_factory=Counter)  # reason
+    observed: dict = field(default_factory=dict)  # (src, dst) -> [(seconds, count)], kept only for `take_observed`
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
@@ -92,13 +94,17 @@ class Metrics:
     def __init__(
         self, directory: Directory | None, block_tokens: int, guard: Guard | None = None,
         shared: Mapping[str, SharedStore] | None = None, lock: AbstractContextManager | None = None,
+        keep_observed: bool = False,
     ) -> None:
         """`directory` is None where only bytes move (a vLLM worker): then only the data plane's figures exist.
         `shared`: the shared tiers' stores by name, where this process has them. `lock`: held while the
-        directory is read (the caller's lock around it); never while a shared store is asked for its bytes."""
+        directory is read (the caller's lock around it); never while a shared store is asked for its bytes.
+        `keep_observed`: keep each move's duration until `take_observed` (a vLLM worker ships them to the
+        engine's own histogram)."""
         self.directory = directory
         self.block_tokens = block_tokens
         self.guard = guard
+        self.keep_observed = keep_observed
         self.shared = dict(shared or {})
         self.lock = lock if lock is not None else nullcontext()
         self.moves = MoveStats()
@@ -114,9 +120,19 @@ class Metrics:
             self.moves.moves[(src, dst)] += count
             self.moves.bytes[(src, dst)] += nbytes * count
             self.moves.seconds[(src, dst)] += seconds * count
+            if self.keep_observed:
+                kept = self.moves.observed.setdefault((src, dst), [])
+                if len(kept) < MAX_OBSERVED:
+                    kept.append((seconds, count))
         histogram = self.move_seconds.labels(src, dst)
         for _ in range(count):
             histogram.observe(seconds)
+
+    def take_observed(self) -> dict:
+        """Move durations since the last call: (src, dst) -> [(seconds, count)]."""
+        with self.moves.lock:
+            observed, self.moves.observed = self.moves.observed, {}
+        return observed
 
     def count(self, family: str, label: str, n: int = 1) -> None:
         with self.moves.lock:

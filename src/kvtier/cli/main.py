@@ -21,6 +21,7 @@ commands:
   demo     the rollout on a real vLLM engine (CPU, tiny model): baseline -> + host -> + host and disk
   bench    measure the tiers against plain baselines on this machine (ratios, medians of several runs)
   config   validate a kvtier config file (the JSON you pass as kv_connector_extra_config)
+  tiny-model  write a servable tiny model (random weights, a locally trained tokenizer, a chat template)
 """ + decide.HELP
 
 
@@ -63,7 +64,12 @@ def _parser() -> argparse.ArgumentParser:
                        "host and disk restores vs recompute and vs vLLM's own cache hit; no-reuse p99 on vs off")
 
     config = sub.add_parser("config", help="validate a config file and print it with defaults filled in")
-    config.add_argument("file", type=Path)
+    config.add_argument("file", type=Path, help="the kv_connector_extra_config JSON, or a whole --kv-transfer-config")
+    tiny = sub.add_parser("tiny-model", help="write a servable tiny Llama: random weights, a tokenizer, a chat template",
+                          description="Builds, without downloading anything, the model the tests, bench and demo "
+                          "serve: a 4-layer Llama with random weights and a word-level tokenizer trained here "
+                          "(deterministic), with a chat template. `vllm serve DIR` serves it on the CPU.")
+    tiny.add_argument("dir", type=Path, help="the folder to write (created)")
     decide.add_commands(sub)
     return parser
 
@@ -82,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "demo":
             return _demo(args)
+        if args.command == "tiny-model":
+            from kvtier.integrations.vllm.tiny_model import build_tiny_llama
+
+            print(build_tiny_llama(args.dir, tokenizer=True))
+            return 0
         if args.command == "bench" and args.vllm:
             from kvtier.bench.vllm_engine import run_vllm_bench
 

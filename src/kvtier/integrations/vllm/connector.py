@@ -38,8 +38,20 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _log_as_vllm() -> None:
+    """kvtier's lines (what it configured and recovered, the guard's transitions) in the engine's log, through
+    vLLM's own handlers and level: operators read one log."""
+    ours, engine = logging.getLogger("kvtier"), logging.getLogger("vllm")
+    if not ours.handlers and engine.handlers:
+        for handler in engine.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(engine.getEffectiveLevel())
+        ours.propagate = False
+
+
 class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        _log_as_vllm()
         super().__init__(vllm_config, role, kv_cache_config)
         config = read_config(vllm_config)  # a bad value stops the engine here, naming the field
         geo = geometry(vllm_config, kv_cache_config, config)

@@ -97,7 +97,9 @@ class SchedulerSide:
         self._orphans: dict[str, int] = {}
         self._audited_at = float("-inf")
         self.control = Control(config, self.directory, geometry.block_nbytes)
+        self._asked_local: dict[str, int] = {}  # request id -> vLLM's own prefix hit (tokens), as last told us
         self._recover()
+        log.info("kvtier: %s", self.describe())
 
     # ---------------------------------------------------------------- vLLM's scheduler hooks
 
@@ -105,6 +107,7 @@ class SchedulerSide:
         keys = self._keys(request)
         bt = self.geo.block_tokens
         first = num_computed_tokens // bt
+        self._asked_local[request.request_id] = num_computed_tokens
         skip = self.control.route(request, engine_hit=num_computed_tokens > 0)
         sources = self.directory.lookup(keys[first:], skip)
         local = first + len(sources)
@@ -155,7 +158,9 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         promise = self._lookups.pop(request.request_id, None)
         if num_external_tokens <= 0 or promise is None:  # vLLM may take none of it (e.g. it skips prefix reads)
+            self._count_lookup(request, self._asked_local.pop(request.request_id, 0) // self.geo.block_tokens, [])
             return
+        self._asked_local.pop(request.request_id, None)
         # vLLM has not updated request.num_computed_tokens yet (and after a failed load it is stale): the local
         # hit it told us in get_num_new_matched_tokens is the truth about which engine blocks it already holds.
         first, promised, end, local, fetch, skip_tiers, sync = promise
@@ -165,7 +170,7 @@ class SchedulerSide:
         skip = local // self.geo.engine_block_size  # engine blocks vLLM already has
         plan = self.directory.plan_load(keys, shared_end=len(keys) if fetch else 0,
                                         parent=all_keys[first - 1] if first else None, skip=skip_tiers)
-        self.directory.record_lookup(plan.sources, len(keys))
+        self._count_lookup(request, first, plan.sources)
         self.control.served(request, plan.sources, engine_hit=local > 0)
         for i, source in enumerate(plan.sources):  # tokens each tier really serves to this request
             lo = max((first + i) * self.geo.block_tokens, local)
@@ -184,6 +189,7 @@ class SchedulerSide:
         """Store the request's computed full blocks; hold its engine blocks until the workers copied them."""
         self.control.finished(request)
         self._asked.pop(request.request_id, None)
+        self._asked_local.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         if request.request_id in self._loading:
             # Finished (aborted) before vLLM learnt how its load ended: num_computed_tokens still counts the
@@ -292,7 +298,24 @@ class SchedulerSide:
                     self._stores_in_flight -= 1
         self._collect_garbage()
 
+    def describe(self) -> str:
+        """One line for the engine's log: what kvtier configured and took back."""
+        d, c = self.directory, self.config
+        tiers = ", ".join(f"{t.name} {t.capacity_bytes / 2**20:,.0f} MiB ({t.capacity_blocks:,} blocks, "
+                          f"{t.spec.policy}, {t.used_blocks:,} recovered)" for t in d.tiers)
+        if d.shared is not None:
+            tiers += f", {d.shared.name} (shared)"
+        guard = "off" if c.guard is None else c.guard.model_dump_json(exclude_defaults=True)
+        return (f"tiers {tiers}; block {self.geo.block_tokens} tokens, {self.geo.block_nbytes:,} B per rank; "
+                f"load_policy {c.load_policy}; guard {guard}; namespace {self.geo.namespace(0)[:16]}")
+
     # ---------------------------------------------------------------- internals
+
+    def _count_lookup(self, request: Request, first: int, sources: list[str]) -> None:
+        """A request's prompt by source, in full blocks: vLLM's own hit, each tier's, the rest recomputed."""
+        total = len(request.block_hashes) // (self.geo.block_tokens // self.geo.engine_block_size)
+        self.directory.stats.lookup_blocks["engine"] += min(first, total)
+        self.directory.record_lookup(sources, max(total - first, len(sources)))
 
     def _keys(self, request: Request) -> list[bytes]:
         per = self.geo.block_tokens // self.geo.engine_block_size

@@ -10,7 +10,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvtier.metrics import BREAKER_GAUGE, FAMILIES, Family
+from kvtier.metrics import BREAKER_GAUGE, FAMILIES, MOVE_BUCKETS, Family
 
 SEP = "|"  # joins label values in the serializable payload
 PER_CLIENT = ["tier", "side"]  # a shared tier's breaker: one per client (the scheduler's lookups, each rank)
@@ -63,7 +63,11 @@ class KVTierStats(KVConnectorStats):
         gauges = {k: dict(v) for k, v in self.data.get("gauges", {}).items()}
         for name, values in other.data.get("gauges", {}).items():
             gauges.setdefault(name, {}).update(values)  # the latest reading wins
-        return KVTierStats({"counters": counters, "gauges": gauges})
+        histograms = {k: {lab: list(obs) for lab, obs in v.items()} for k, v in self.data.get("histograms", {}).items()}
+        for name, values in other.data.get("histograms", {}).items():
+            for lab, obs in values.items():
+                histograms.setdefault(name, {}).setdefault(lab, []).extend(obs)
+        return KVTierStats({"counters": counters, "gauges": gauges, "histograms": histograms})
 
     def reduce(self) -> dict[str, int | float]:
         flat: dict[str, int | float] = {}
@@ -74,7 +78,7 @@ class KVTierStats(KVConnectorStats):
         return flat
 
     def is_empty(self) -> bool:
-        return not any(self.data.get("counters", {}).values()) and not any(self.data.get("gauges", {}).values())
+        return not any(any(self.data.get(kind, {}).values()) for kind in ("counters", "gauges", "histograms"))
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
@@ -89,6 +93,27 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         self._gauges = {f.name: self._gauge_cls(name=f"kvtier_{f.name}", documentation=f.doc, labelnames=labels(f),
                                                 multiprocess_mode="mostrecent")
                         for f in FAMILIES.values() if f.kind == "gauge"}
+        self._histograms = {f.name: self._histogram_cls(name=f"kvtier_{f.name}", documentation=f.doc,
+                                                        labelnames=labels(f), buckets=list(MOVE_BUCKETS))
+                            for f in FAMILIES.values() if f.kind == "histogram"}
+        self._from_startup(vllm_config, per_engine_labelvalues)
+
+    def _from_startup(self, vllm_config: Any, per_engine_labelvalues: dict[int, list[object]]) -> None:
+        """Series with values before the first request: every tier on, no token looked up yet (misses included),
+        so that a dashboard's hit ratio and the guard's state exist from the start."""
+        from kvtier.config import parse_config
+
+        extra = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None)
+        try:
+            names = parse_config(extra or {}).tier_names()
+        except ValueError:
+            return  # the engine itself reports the bad config, naming the field
+        for values in per_engine_labelvalues.values():
+            engine = [str(v) for v in values]
+            for tier in names:
+                self._gauges["tier_enabled"].labels(*engine, tier).set(1)
+            for source in ("engine", *names, "miss"):
+                self._counters["lookup_tokens"].labels(*engine, source).inc(0)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
@@ -98,3 +123,9 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         for name, values in transfer_stats_data.get("gauges", {}).items():
             for lab, v in values.items():
                 self._gauges[name].labels(*engine, *lab.split(SEP)).set(v)
+        for name, values in transfer_stats_data.get("histograms", {}).items():
+            for lab, observed in values.items():
+                histogram = self._histograms[name].labels(*engine, *lab.split(SEP))
+                for seconds, count in observed:
+                    for _ in range(count):
+                        histogram.observe(seconds)

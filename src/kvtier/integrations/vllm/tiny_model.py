@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 
-def build_tiny_llama(path: str | Path, layers: int = 4, seed: int = 0, init_scale: float = 0.2) -> str:
+def build_tiny_llama(path: str | Path, layers: int = 4, seed: int = 0, init_scale: float = 0.2,
+                     tokenizer: bool = False) -> str:
     """`init_scale` (HF's initializer_range, 0.02 by default) is large so that the next-token distribution is
-    peaked: greedy outputs then do not flip on last-bit differences between equally valid kernel paths."""
+    peaked: greedy outputs then do not flip on last-bit differences between equally valid kernel paths.
+    `tokenizer`: also train and save its tokenizer (`tiny_tokenizer`), for text clients."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -19,6 +21,10 @@ def build_tiny_llama(path: str | Path, layers: int = 4, seed: int = 0, init_scal
                          bos_token_id=1, eos_token_id=2, initializer_range=init_scale)
     torch.manual_seed(seed)
     LlamaForCausalLM(config).to(torch.bfloat16).eval().save_pretrained(path)
+    if tokenizer:
+        from kvtier.integrations.vllm.tiny_tokenizer import build_tokenizer
+
+        build_tokenizer(path)
     return str(path)
 
 

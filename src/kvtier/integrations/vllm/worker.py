@@ -22,7 +22,7 @@ from kvtier.config import KVTierConfig
 from kvtier.directory import Op, Plan, Status, Step
 from kvtier.integrations.vllm.messages import EngineBlocks, KVTierMetadata, KVTierWorkerMetadata, LoadJob, StoreJob
 from kvtier.integrations.vllm.setup import Geometry
-from kvtier.integrations.vllm.stats import Deltas, add_breaker
+from kvtier.integrations.vllm.stats import Deltas, add_breaker, label
 from kvtier.metrics import Metrics
 from kvtier.mover import CallerBlock, Mover
 from kvtier.mover.copy import ready_event
@@ -67,7 +67,7 @@ class WorkerSide:
         self.pages: list[torch.Tensor] = []
         self.mover: Mover | None = None
         self.stores: Stores | None = None
-        self.metrics = Metrics(None, geo.block_tokens)
+        self.metrics = Metrics(None, geo.block_tokens, keep_observed=True)
         self._lock = threading.Lock()
         self._sent = threading.Condition(self._lock)  # a held request's blocks are all copied out
         self._completions: dict[int, Status] = {}
@@ -209,6 +209,9 @@ class WorkerSide:
                 "integrity_failures": self._deltas.take("integrity_failures", moves.integrity_failures),
                 "stores_dropped": self._deltas.take("stores_dropped", moves.stores_dropped),
             }, "gauges": {}}
+        observed = self.metrics.take_observed()
+        if observed:
+            payload["histograms"] = {"move_seconds": {label(pair): values for pair, values in observed.items()}}
         shared = self.stores.shared if self.stores is not None else {}
         for name, store in shared.items():
             add_breaker(payload, store, name, f"rank{self.rank}", self._deltas)
