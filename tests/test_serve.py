@@ -74,13 +74,14 @@ class Server:
         with urllib.request.urlopen(request, timeout=120) as r:
             return json.loads(r.read())
 
-    def metrics(self) -> dict[str, float]:
-        """kvtier's samples in /metrics, `name{label="v",...}` without vLLM's engine and model labels."""
+    def metrics(self, prefix: str = "kvtier_") -> dict[str, float]:
+        """The samples in /metrics whose name starts with `prefix`, `name{label="v",...}` without vLLM's engine
+        and model labels."""
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
             text = r.read().decode()
         out = {}
         for line in text.splitlines():
-            m = re.match(r"^(kvtier_\w+)(?:\{(.*)\})? (\S+)$", line)
+            m = re.match(rf"^({re.escape(prefix)}[\w:]+)(?:\{{(.*)\}})? (\S+)$", line)
             if m:
                 labels = ",".join(sorted(p for p in re.findall(r'\w+="[^"]*"', m.group(2) or "")
                                          if not p.startswith(("engine=", "model_name="))))
@@ -128,6 +129,9 @@ def test_vllm_serve_with_kvtier_answers_over_http_and_exports_every_family(model
         assert m['kvtier_lookup_tokens_total{source="host"}'] > 0 and served >= 1536, m  # what vLLM still held + host
         assert m['kvtier_lookup_tokens_total{source="miss"}'] > 0
         assert m['kvtier_tier_enabled{tier="host"}'] == 1
+        by_source = server.metrics("vllm:prompt_tokens_cached_by_source")  # vLLM's own counter knows the tier
+        assert by_source['vllm:prompt_tokens_cached_by_source_total{source="host"}'] == \
+            m['kvtier_lookup_tokens_total{source="host"}'], by_source
         for pair in ('dst="caller",src="host"', 'dst="host",src="caller"'):  # every move timed, in vLLM's registry
             assert m[f"kvtier_move_seconds_count{{{pair}}}"] == m[f"kvtier_moves_total{{{pair}}}"] > 0, pair
         bench = subprocess.run(

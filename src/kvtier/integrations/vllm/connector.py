@@ -12,6 +12,7 @@ A failed load is reported through `get_block_ids_with_load_errors`, and the conn
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -24,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.setup import geometry, read_config
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
+from kvtier.stores.base import TierKind
 
 if TYPE_CHECKING:
     import torch
@@ -87,6 +89,20 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        """vLLM's `vllm:prompt_tokens_cached_by_source`: host and disk hits under their names; the shared tier, a
+        remote store, under `external_unspecified` (vLLM has no name for it); whatever the plan did not cover too."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        names = {TierKind.HOST: CacheHitSource.HOST, TierKind.DISK: CacheHitSource.DISK}
+        sources: Counter = Counter()
+        for kind, tokens in self._scheduler.served_by_kind(request.request_id).items():
+            sources[names.get(kind, CacheHitSource.EXTERNAL_UNSPECIFIED)] += tokens
+        rest = num_external_tokens - sum(sources.values())
+        if rest > 0:
+            sources[CacheHitSource.EXTERNAL_UNSPECIFIED] += rest
+        return {source: n for source, n in sources.items() if n > 0}
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)

@@ -98,6 +98,7 @@ class SchedulerSide:
         self._audited_at = float("-inf")
         self.control = Control(config, self.directory, geometry.block_nbytes)
         self._asked_local: dict[str, int] = {}  # request id -> vLLM's own prefix hit (tokens), as last told us
+        self._served: dict[str, Counter] = {}  # request id -> tokens its load takes from each kind of tier
         self._recover()
         log.info("kvtier: %s", self.describe())
 
@@ -172,9 +173,12 @@ class SchedulerSide:
                                         parent=all_keys[first - 1] if first else None, skip=skip_tiers)
         self._count_lookup(request, first, plan.sources)
         self.control.served(request, plan.sources, engine_hit=local > 0)
+        served = self._served[request.request_id] = Counter()
         for i, source in enumerate(plan.sources):  # tokens each tier really serves to this request
             lo = max((first + i) * self.geo.block_tokens, local)
-            self.stats[f"tokens_{source}"] += max(0, min((first + i + 1) * self.geo.block_tokens, end) - lo)
+            tokens = max(0, min((first + i + 1) * self.geo.block_tokens, end) - lo)
+            self.stats[f"tokens_{source}"] += tokens
+            served[self.directory.kind(source)] += tokens
         targets = [self._engine_blocks(engine_ids, first + i, skip, end) for i in range(len(keys))]
         unavailable = [b for t in targets[len(plan.keys) :] for b in t if b is not None]
         if unavailable:  # fewer blocks stageable than promised: vLLM recomputes those
@@ -190,6 +194,7 @@ class SchedulerSide:
         self.control.finished(request)
         self._asked.pop(request.request_id, None)
         self._asked_local.pop(request.request_id, None)
+        self._served.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         if request.request_id in self._loading:
             # Finished (aborted) before vLLM learnt how its load ended: num_computed_tokens still counts the
@@ -297,6 +302,10 @@ class SchedulerSide:
                 elif pending.kind == "store":
                     self._stores_in_flight -= 1
         self._collect_garbage()
+
+    def served_by_kind(self, request_id: str) -> Counter:
+        """The tokens this request's load takes from each kind of tier (TierKind -> tokens), once."""
+        return self._served.pop(request_id, Counter())
 
     def describe(self) -> str:
         """One line for the engine's log: what kvtier configured and took back."""
