@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 ENGINE = "engine"  # the request's prefix came from vLLM's own cache only
 RECOMPUTE = "recompute"  # nothing was cached
 SIGNALS = ("ttft", "itl")
+KEEP_TRANSITIONS = 10_000  # a server's guard keeps its last transitions, not all of them
 
 
 class State(Enum):
@@ -79,9 +80,10 @@ class _Tier:
 
 
 class Guard:
-    def __init__(self, config: GuardConfig, tiers: Sequence[str], start: float = 0.0) -> None:
+    def __init__(self, config: GuardConfig, tiers: Sequence[str], start: float = 0.0,
+                 keep: int | None = KEEP_TRANSITIONS) -> None:
         """`tiers`: kvtier's tiers, fastest first (host, disk, ..., redis); by default the newest, the last one,
-        goes first when several break the budget."""
+        goes first when several break the budget. `keep`: the last transitions kept in `history` (None: all)."""
         self.config = config
         self.budget = {"ttft": config.ttft_p99_ms, "itl": config.itl_p99_ms}
         self.order = list(config.order or []) + [t for t in reversed(tiers) if t not in (config.order or [])]
@@ -91,7 +93,7 @@ class Guard:
         self._window_end = start + config.window_s
         self.transitions: Counter = Counter()  # (tier, state value) -> times
         self.window_p99: dict[tuple[str, str], float] = {}  # (source, signal) -> p99 of the last window, seconds
-        self.history: list[Transition] = []  # every transition (they are rare)
+        self.history: deque[Transition] = deque(maxlen=keep)
 
     # ---------------------------------------------------------------- what drivers ask
 

@@ -177,7 +177,7 @@ def _run(
         decider = Decider(config.load_policy, config.max_load_tokens, config.prefill_tokens_per_s, dep.block_bytes)
         guard_config = guard_config or config.guard
         if guard_config is not None:
-            guard = Guard(guard_config, tier_order, start=requests[0].timestamp if requests else 0.0)
+            guard = Guard(guard_config, tier_order, start=requests[0].timestamp if requests else 0.0, keep=None)
     sources_of: list[str] = [ENGINE] * len(requests)
     engine = EngineCache(dep.engine_blocks)
     cost, block_bytes = dep.cost, dep.block_bytes
@@ -246,7 +246,7 @@ def _run(
     result.end_s = now[0]
     if guard is not None:
         guard.tick(now[0])
-        result.guard = guard.history
+        result.guard = list(guard.history)
     if decider is not None:
         result.load_decisions = decider.decisions
     if directory is not None:
