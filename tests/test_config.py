@@ -77,6 +77,17 @@ def test_cli_config_exit_codes(tmp_path, capsys):
     whole.write_text(json.dumps({"kv_connector_extra_config": {**GOOD, "block_size": 0}}))
     assert main(["config", str(whole)]) == 2
     assert "block_size" in capsys.readouterr().err
+    plain = tmp_path / "plain.json"  # inside vLLM's CPU engine (--block-size 128), as the connector reads it
+    plain.write_text(json.dumps({"kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}))
+    assert main(["config", str(plain), "--block-size", "128"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["block_size"] == 128 and shown["engine_block_size"] == 128
+    plain.write_text(json.dumps({"cpu_bytes_to_use": 1 << 30, "block_size": 100}))
+    assert main(["config", str(plain), "--block-size", "128"]) == 2
+    assert "multiple of the engine's block size (128)" in capsys.readouterr().err
+    plain.write_text(json.dumps({"cpu_bytes_to_use": 1 << 30, "engine_block_size": 16}))
+    assert main(["config", str(plain), "--block-size", "128"]) == 2
+    assert "engine_block_size: 16 but vLLM's block size is 128" in capsys.readouterr().err
 
 
 def test_cli_demo_with_bad_config_exits_2_and_writes_nothing(tmp_path):

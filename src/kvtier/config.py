@@ -263,12 +263,36 @@ def parse_config(data: dict[str, Any] | str | os.PathLike[str]) -> KVTierConfig:
     return _parse(KVTierConfig, data, "config")
 
 
+def for_engine(data: dict[str, Any] | str | os.PathLike[str], engine_block_size: int) -> KVTierConfig:
+    """`parse_config` as kvtier runs inside an engine whose KV blocks hold `engine_block_size` tokens (vLLM's
+    `--block-size`): `block_size` defaults to it, and `engine_block_size` is it."""
+    extra, source = _load(data, "config")
+    extra = dict(extra.get("kv_connector_extra_config", extra))
+    extra.setdefault("block_size", engine_block_size)
+    if "engine_block_size" in extra and extra["engine_block_size"] != engine_block_size:
+        raise ConfigError(f"{source}: engine_block_size: {extra['engine_block_size']} but vLLM's block size is "
+                          f"{engine_block_size}")
+    extra["engine_block_size"] = engine_block_size
+    return parse_config(extra)
+
+
 def parse_guard(data: dict[str, Any] | str | os.PathLike[str]) -> GuardConfig:
     """A config's `guard` object on its own (`kvtier simulate --guard`), as `parse_config` reads a config."""
     return _parse(GuardConfig, data, "guard")
 
 
 def _parse(model: type[_M], data: dict[str, Any] | str | os.PathLike[str], what: str) -> _M:
+    data, source = _load(data, what)
+    if model is KVTierConfig and isinstance(data.get("kv_connector_extra_config"), dict):
+        data = data["kv_connector_extra_config"]  # a whole --kv-transfer-config
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid kvtier {what}: " + "; ".join(_problems(exc))) from None
+
+
+def _load(data: dict[str, Any] | str | os.PathLike[str], what: str) -> tuple[dict[str, Any], str]:
+    """A JSON object from a dict, a JSON string or a file, and what to call it in errors."""
     source = what
     if isinstance(data, (str, os.PathLike)):
         text = str(data)
@@ -284,20 +308,20 @@ def _parse(model: type[_M], data: dict[str, Any] | str | os.PathLike[str], what:
             raise ConfigError(f"{source}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
-    if model is KVTierConfig and isinstance(data.get("kv_connector_extra_config"), dict):
-        data = data["kv_connector_extra_config"]  # a whole --kv-transfer-config
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            field = _field_path(err["loc"])
-            msg = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "union_tag_invalid":
-                msg = f"unknown tier type {err.get('input', {}).get('type')!r}; known types: fs, redis"
-            got = err.get("input")
-            if isinstance(got, str) and field.endswith(".url"):
-                got = re.sub(r"//.*@", "//***@", got)  # never echo credentials (up to the last @)
-            shown = "" if isinstance(got, (dict, list)) or err["type"] == "missing" else f" (got {got!r})"
-            problems.append(f"{field}: {msg}{shown}")
-        raise ConfigError(f"invalid kvtier {what}: " + "; ".join(problems)) from None
+    return data, source
+
+
+def _problems(exc: ValidationError) -> list[str]:
+    """One line per bad field, naming it; never echoing credentials."""
+    problems = []
+    for err in exc.errors():
+        field = _field_path(err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "union_tag_invalid":
+            msg = f"unknown tier type {err.get('input', {}).get('type')!r}; known types: fs, redis"
+        got = err.get("input")
+        if isinstance(got, str) and field.endswith(".url"):
+            got = re.sub(r"//.*@", "//***@", got)  # never echo credentials (up to the last @)
+        shown = "" if isinstance(got, (dict, list)) or err["type"] == "missing" else f" (got {got!r})"
+        problems.append(f"{field}: {msg}{shown}")
+    return problems

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvtier import __version__
 from kvtier.cli import trace_commands as decide
-from kvtier.config import ConfigError, parse_config
+from kvtier.config import ConfigError, for_engine, parse_config
 
 EXIT_BAD_INPUT = 2
 
@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="validate a config file and print it with defaults filled in")
     config.add_argument("file", type=Path, help="the kv_connector_extra_config JSON, or a whole --kv-transfer-config")
+    config.add_argument("--block-size", type=int, metavar="TOKENS",
+                        help="vLLM's --block-size (its default: 16 on GPUs, 128 on the CPU backend): print the values "
+                        "kvtier will use inside that engine (block_size defaults to it)")
     tiny = sub.add_parser("tiny-model", help="write a servable tiny Llama: random weights, a tokenizer, a chat template",
                           description="Builds, without downloading anything, the model the tests, bench and demo "
                           "serve: a 4-layer Llama with random weights and a word-level tokenizer trained here "
@@ -84,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in decide.COMMANDS:
             return decide.run(args)
         if args.command == "config":
-            print(parse_config(args.file).model_dump_json(indent=2))
-            return 0
+            return _config(args)
         if args.command == "demo":
             return _demo(args)
         if args.command == "tiny-model":
@@ -109,6 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad values the config object could not see (e.g. a budget that holds no block)
         print(f"kvtier: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    if args.block_size is not None and args.block_size <= 0:
+        raise ValueError(f"--block-size must be > 0, got {args.block_size}")
+    config = parse_config(args.file) if args.block_size is None else for_engine(args.file, args.block_size)
+    if args.block_size is None:
+        print("kvtier: block_size and engine_block_size follow vLLM's --block-size when unset (--block-size to "
+              "see them)", file=sys.stderr)
+    print(config.model_dump_json(indent=2))
     return 0
 
 

@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvtier.config import ConfigError, KVTierConfig, parse_config
+from kvtier.config import ConfigError, KVTierConfig, for_engine
 from kvtier.keys import Namespace
 from kvtier.weights import weights_identity
 
@@ -52,13 +52,8 @@ class Geometry:
 
 def read_config(vllm_config: VllmConfig) -> KVTierConfig:
     """kvtier's config from `kv_connector_extra_config`, with the engine's block size filled in."""
-    extra: dict[str, Any] = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    engine_block = vllm_config.cache_config.block_size
-    extra.setdefault("block_size", engine_block)
-    if "engine_block_size" in extra and extra["engine_block_size"] != engine_block:
-        raise ConfigError(f"engine_block_size: {extra['engine_block_size']} but vLLM's block size is {engine_block}")
-    extra["engine_block_size"] = engine_block
-    return parse_config(extra)
+    return for_engine(vllm_config.kv_transfer_config.kv_connector_extra_config or {},
+                      vllm_config.cache_config.block_size)
 
 
 def geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KVTierConfig) -> Geometry:
