@@ -79,8 +79,7 @@ class TieredCache:
         self._lock = threading.RLock()
         self.clock = clock
         self.directory = Directory(specs, clock=clock, shared=shared_spec(config, self.payload_nbytes))
-        self.tier_names = [s.name for s in specs] + ([self.shared] if self.shared else [])
-        self.guard = Guard(config.guard, self.tier_names, start=clock()) if config.guard is not None else None
+        self.guard = Guard(config.guard, self.directory.names, start=clock()) if config.guard is not None else None
         self._requests: OrderedDict[str, str] = OrderedDict()  # loaded for, not yet reported: id -> source
         self.metrics = Metrics(self.directory, config.block_size, guard=self.guard, lock=self._lock,
                                shared=self.stores.shared)
@@ -159,7 +158,7 @@ class TieredCache:
             plan = self.directory.plan_load(keys, shared_end=shared_end, skip=skip)
             self.directory.record_lookup(plan.sources, len(keys))
             if request is not None and self.guard is not None:
-                self._requests[request] = request_source(plan.sources, self.tier_names, False)
+                self._requests[request] = request_source(plan.sources, self.directory.names, False)
         if out is None:
             out = [torch.empty(self.block_shape, dtype=self.dtype, device=device or "cpu") for _ in plan.keys]
         try:
@@ -178,7 +177,7 @@ class TieredCache:
         if self.guard is None:
             return
         with self._lock:
-            source = self._requests.pop(request, request_source((), self.tier_names, False))
+            source = self._requests.pop(request, request_source((), self.directory.names, False))
             self.guard.observe(source, self.clock(), ttft_s=ttft_s, itl_s=itl_s)
             self._tick()
 

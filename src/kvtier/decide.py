@@ -58,11 +58,14 @@ class LinkEstimate:
                 return latency, per_byte
         return 0.0, self._y / self._x if self._x else 0.0
 
-    def seconds(self, nbytes: float, now: float) -> float:
-        """Expected seconds; 0 without a recent sample (the next load will tell)."""
+    def current(self, now: float) -> tuple[float, float]:
+        """The fit, or (0, 0) without a recent sample (the next load will tell)."""
         if self.samples == 0 or now - self.updated_at > ESTIMATE_TTL_S:
-            return 0.0
-        latency, per_byte = self.fit()
+            return 0.0, 0.0
+        return self.fit()
+
+    def seconds(self, nbytes: float, now: float) -> float:
+        latency, per_byte = self.current(now)
         return latency + nbytes * per_byte
 
 
@@ -118,15 +121,14 @@ class Decider:
         return best
 
     def _winning_prefix(self, sources: Sequence[str], tokens: Sequence[int], now: float) -> int:
+        fits = {t: self.links[t].current(now) if t in self.links else (0.0, 0.0) for t in set(sources)}
+        per_token = self.prefill.per_token
         best, recompute_tokens = 0, 0
         blocks: Counter[str] = Counter()
         for k, (tier, n) in enumerate(zip(sources, tokens), start=1):
             blocks[tier] += 1
             recompute_tokens += n
-            load_s = sum(self._link(t).seconds(self.queued[t] + b * self.block_bytes, now) for t, b in blocks.items())
-            if load_s <= self.prefill.seconds(recompute_tokens):
+            load_s = sum(fits[t][0] + (self.queued[t] + b * self.block_bytes) * fits[t][1] for t, b in blocks.items())
+            if load_s <= recompute_tokens * per_token:
                 best = k
         return best
-
-    def _link(self, tier: str) -> LinkEstimate:
-        return self.links.setdefault(tier, LinkEstimate())

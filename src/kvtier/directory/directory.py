@@ -49,6 +49,11 @@ class Directory(SharedTierPlans):
             counter[name] += 1
         counter["miss"] += total_blocks - len(sources)
 
+    @property
+    def names(self) -> list[str]:
+        """Every tier's name, fastest first, the shared tier last."""
+        return [t.name for t in self.tiers] + ([self.shared.name] if self.shared is not None else [])
+
     def kind(self, tier_name: str) -> TierKind:
         """The medium of a tier (local or shared) by its name."""
         if self.shared is not None and tier_name == self.shared.name:

@@ -17,15 +17,7 @@ from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 
 from kvtier.directory.plan import CALLER, Op, Plan, Step
-from kvtier.directory.state import (
-    Block,
-    Copy,
-    DirectoryStats,
-    NoRoom,
-    State,
-    Tier,
-    TierSpec,
-)
+from kvtier.directory.state import Block, Copy, DirectoryStats, NoRoom, State, Tier, TierSpec
 
 LEAF_SCAN = 32  # how many evictable candidates to look past for one whose loss orphans nothing
 

@@ -173,7 +173,7 @@ def _run(
     tier_order: list[str] = []
     if config is not None:
         directory = Directory(tier_specs(config, dep.block_bytes), clock=lambda: now[0])
-        tier_order = [t.name for t in directory.tiers]
+        tier_order = directory.names
         decider = Decider(config.load_policy, config.max_load_tokens, config.prefill_tokens_per_s, dep.block_bytes)
         guard_config = guard_config or config.guard
         if guard_config is not None:

@@ -29,7 +29,7 @@ class Control:
     def __init__(self, config: KVTierConfig, directory: Directory, block_nbytes: int,
                  clock: Callable[[], float] = time.time) -> None:
         self.directory = directory
-        self.tiers = [t.name for t in directory.tiers] + ([directory.shared.name] if directory.shared else [])
+        self.tiers = directory.names
         self.clock = clock
         self.guard = Guard(config.guard, self.tiers, start=clock()) if config.guard is not None else None
         self.decider = Decider(config.load_policy, config.max_load_tokens, config.prefill_tokens_per_s, block_nbytes)

@@ -68,7 +68,6 @@ class _Lookup(NamedTuple):
     end: int  # the token the promise ends at
     local: int  # tokens vLLM already held (its own prefix hit)
     fetch: bool  # some blocks come from the shared tier
-    skip: frozenset[str]  # the tiers the guard keeps this request from reading
     sync: bool  # all from host: loaded before this step's forward
 
 
@@ -130,7 +129,7 @@ class SchedulerSide:
         blocks = -(-(end - first * bt) // bt)
         fetch = blocks > len(sources)
         sync = not fetch and all(self.directory.kind(s) is TierKind.HOST for s in sources[:blocks])  # module doc
-        self._lookups[request.request_id] = _Lookup(first, blocks, end, num_computed_tokens, fetch, skip, sync)
+        self._lookups[request.request_id] = _Lookup(first, blocks, end, num_computed_tokens, fetch, sync)
         return promised, not sync
 
     def _shared_blocks(self, request_id: str, keys: list[bytes], local: int, skip: frozenset[str]) -> int | None:
@@ -164,13 +163,14 @@ class SchedulerSide:
         self._asked_local.pop(request.request_id, None)
         # vLLM has not updated request.num_computed_tokens yet (and after a failed load it is stale): the local
         # hit it told us in get_num_new_matched_tokens is the truth about which engine blocks it already holds.
-        first, promised, end, local, fetch, skip_tiers, sync = promise
+        first, promised, end, local, fetch, sync = promise
         all_keys = self._keys(request)
         keys = all_keys[first : first + promised]
         engine_ids = blocks.get_block_ids()[0]
         skip = local // self.geo.engine_block_size  # engine blocks vLLM already has
         plan = self.directory.plan_load(keys, shared_end=len(keys) if fetch else 0,
-                                        parent=all_keys[first - 1] if first else None, skip=skip_tiers)
+                                        parent=all_keys[first - 1] if first else None,
+                                        skip=self.control.route(request, engine_hit=local > 0))
         self._count_lookup(request, first, plan.sources)
         self.control.served(request, plan.sources, engine_hit=local > 0)
         served = self._served[request.request_id] = Counter()

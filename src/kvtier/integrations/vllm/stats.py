@@ -10,6 +10,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from kvtier.config import parse_config
 from kvtier.metrics import BREAKER_GAUGE, FAMILIES, MOVE_BUCKETS, Family
 
 SEP = "|"  # joins label values in the serializable payload
@@ -101,8 +102,6 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
     def _from_startup(self, vllm_config: Any, per_engine_labelvalues: dict[int, list[object]]) -> None:
         """Series with values before the first request: every tier on, no token looked up yet (misses included),
         so that a dashboard's hit ratio and the guard's state exist from the start."""
-        from kvtier.config import parse_config
-
         extra = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None)
         try:
             names = parse_config(extra or {}).tier_names()
