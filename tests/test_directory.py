@@ -106,7 +106,8 @@ def all_blocks(directory: Directory):
 class DirectoryMachine(RuleBasedStateMachine):
     @initialize(specs=tier_specs())
     def setup(self, specs: list[TierSpec]) -> None:
-        self.d = Directory(specs, clock=lambda: 0.0)
+        self.d = self._listened(Directory(specs, clock=lambda: 0.0))
+        self.adopted: set[tuple[bytes, str]] = set()
         self.slotted = {s.name for s in specs if s.slotted}
         self.bytes = Bytes(
             slots={s.name: [None] * (s.capacity_bytes // s.block_bytes) for s in specs if s.slotted},
@@ -215,11 +216,28 @@ class DirectoryMachine(RuleBasedStateMachine):
                 assert step.op is Op.DELETE
                 self._execute(step, 0)
                 self.d.complete(step, Status.OK)
+        self.adopted = {(k, name) for k, b in self.d._blocks.items() for name in b.copies}
         self.check_quiet()
 
     def fresh_directory(self) -> Directory:
         """The directory a restarted process builds from the same config."""
-        return Directory([t.spec for t in self.d.tiers], clock=lambda: 0.0)
+        return self._listened(Directory([t.spec for t in self.d.tiers], clock=lambda: 0.0))
+
+    def _listened(self, d: Directory) -> Directory:
+        """`announced`: the (key, tier) pairs the directory's change hook says are readable (the KV events)."""
+        self.announced: set[tuple[bytes, str]] = set()
+
+        def on_change(key: bytes, tier: str | None, stored: bool) -> None:
+            if tier is None:
+                self.announced = {(k, t) for k, t in self.announced if k != key}
+            elif stored:
+                assert (key, tier) not in self.announced, "announced twice"
+                self.announced.add((key, tier))
+            else:
+                self.announced.discard((key, tier))
+
+        d.on_change = on_change
+        return d
 
     def teardown(self) -> None:
         if hasattr(self, "d"):  # not when setup itself failed
@@ -297,6 +315,15 @@ class DirectoryMachine(RuleBasedStateMachine):
         return status  # a disk write goes to a temp file, renamed only on success: nothing changes
 
     # ------------------------------------------------------------ invariants
+
+    @invariant()
+    def announced_is_what_is_readable(self) -> None:
+        """Every READY copy of a live block was announced once (or adopted at a restart: not announced), and
+        nothing else is announced."""
+        ready = {(k, name) for k, b in self.d._blocks.items() for name, c in b.copies.items()
+                 if c.state is State.READY}
+        assert self.announced <= ready, self.announced - ready
+        assert ready <= self.announced | self.adopted, ready - self.announced - self.adopted
 
     @invariant()
     def within_capacity(self) -> None:

@@ -19,7 +19,7 @@ ROWS = [
     {"wiring"},
     {"cache"},
     {"integrations"},
-    {"cli", "bench", "demo"},
+    {"cli", "bench", "demo", "rollout"},
 ]
 ROW = {name: i for i, row in enumerate(ROWS) for name in row}
 

@@ -38,7 +38,7 @@ def geometry(world_size: int = 1) -> Geometry:
 def request(rid: str, hashes: list[bytes], computed: int = 0) -> SimpleNamespace:
     return SimpleNamespace(request_id=rid, num_computed_tokens=computed, num_tokens=16 * len(hashes) + 1,
                            num_prompt_tokens=16 * len(hashes) + 1, block_hashes=hashes, num_output_tokens=0,
-                           arrival_time=0.0)
+                           arrival_time=0.0, num_preemptions=0)
 
 
 def engine_blocks(ids: list[int]) -> SimpleNamespace:

@@ -7,8 +7,6 @@ import json
 import os
 import random
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,12 +15,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from kvtier.rollout.run import ENGINE_BLOCKS
+from kvtier.rollout.server import Server, embedded_command, free_port
+
 BIN = Path(sys.executable).parent
 vllm = pytest.importorskip("vllm") if os.environ.get("CI") != "true" else __import__("vllm")
-ENGINE_FLAGS = ["--block-size", "128", "--num-gpu-blocks-override", "48", "--enable-prefix-caching",
-                "--max-num-seqs", "4", "--enforce-eager", "--max-model-len", "4096", "--dtype", "bfloat16",
-                "--enable-prompt-tokens-details"]
 
 
 @pytest.fixture(scope="module")
@@ -33,70 +30,51 @@ def model_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def serve(model: str, kvtier: dict, log: Path, flags: list[str]) -> Server:
+    """`vllm serve MODEL --kv-transfer-config ...` (the rollout's embedded command) in a process of its own."""
+    port = free_port()
+    server = Server(embedded_command(model, kvtier, ENGINE_BLOCKS, port) + flags, port, log, model=model)
+    try:
+        server.wait_ready(240)
+    except BaseException:
+        server.kill()
+        raise
+    return server
 
 
-class Server:
-    """`vllm serve MODEL --kv-transfer-config ...` in a process of its own; the test talks to it over HTTP."""
+def complete(server: Server, prompt: str) -> dict:
+    body = json.dumps({"model": server.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
+    request = urllib.request.Request(f"{server.url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return json.loads(r.read())
 
-    def __init__(self, model: str, kvtier: dict, log: Path) -> None:
-        self.model, self.port, self.log_path = model, free_port(), log
-        transfer = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-                    "kv_role": "kv_both", "kv_connector_extra_config": kvtier}
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-        self.log = log.open("w")
-        self.proc = subprocess.Popen([str(BIN / "vllm"), "serve", model, "--port", str(self.port), *ENGINE_FLAGS,
-                                      "--kv-transfer-config", json.dumps(transfer)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+class KVEventsSubscriber:
+    """What a KV-aware router reads: vLLM's KV event batches over ZMQ, from the address vLLM binds."""
 
-    def wait_ready(self, timeout_s: float = 240) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "vllm serve exited:\n" + self.log_path.read_text()[-4000:]
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(1)
-        raise AssertionError("vllm serve never became ready:\n" + self.log_path.read_text()[-4000:])
+    def __init__(self, endpoint: str) -> None:
+        import zmq
 
-    def complete(self, prompt: str) -> dict:
-        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
-        request = urllib.request.Request(f"{self.url}/v1/completions", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as r:
-            return json.loads(r.read())
+        self.socket = zmq.Context.instance().socket(zmq.SUB)
+        self.socket.connect(endpoint)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
 
-    def metrics(self, prefix: str = "kvtier_") -> dict[str, float]:
-        """The samples in /metrics whose name starts with `prefix`, `name{label="v",...}` without vLLM's engine
-        and model labels."""
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        out = {}
-        for line in text.splitlines():
-            m = re.match(rf"^({re.escape(prefix)}[\w:]+)(?:\{{(.*)\}})? (\S+)$", line)
-            if m:
-                labels = ",".join(sorted(p for p in re.findall(r'\w+="[^"]*"', m.group(2) or "")
-                                         if not p.startswith(("engine=", "model_name="))))
-                out[f"{m.group(1)}{{{labels}}}"] = float(m.group(3))
+    def stored(self) -> dict[str, list]:
+        """Every BlockStored received so far, by medium."""
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+        decoder, out = msgspec.msgpack.Decoder(type=KVEventBatch), {}
+        while self.socket.poll(2000, zmq.POLLIN):
+            _topic, _seq, payload = self.socket.recv_multipart()
+            for event in decoder.decode(payload).events:
+                if isinstance(event, BlockStored):
+                    out.setdefault(event.medium, []).append(event)
         return out
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
+    def close(self) -> None:
+        self.socket.close(linger=0)
 
 
 def text(name: str, words: int = 1800) -> str:
@@ -110,17 +88,21 @@ def text(name: str, words: int = 1800) -> str:
 def test_vllm_serve_with_kvtier_answers_over_http_and_exports_every_family(model_dir, tmp_path):
     version = subprocess.run([str(BIN / "vllm"), "--version"], capture_output=True, text=True)
     assert version.returncode == 0 and "cpu" in version.stdout, version.stderr[-2000:]
-    server = Server(model_dir, {"cpu_bytes_to_use": 256 << 20, "load_policy": "always"}, tmp_path / "serve.log")
+    events = free_port()
+    flags = ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                               "endpoint": f"tcp://*:{events}"})]
+    server = serve(model_dir, {"cpu_bytes_to_use": 256 << 20, "load_policy": "always"}, tmp_path / "serve.log", flags)
+    subscriber = KVEventsSubscriber(f"tcp://127.0.0.1:{events}")
     try:
-        server.wait_ready()
+        time.sleep(0.5)  # subscribed before the first event
         before = server.metrics()  # from startup on, before any request
         assert before['kvtier_tier_enabled{tier="host"}'] == 1
         assert before['kvtier_lookup_tokens_total{source="miss"}'] == 0
-        first = server.complete(text("A"))
+        first = complete(server, text("A"))
         assert first["choices"][0]["text"] and first["usage"]["prompt_tokens"] == 1800
         for other in ("B", "C", "D"):  # 3 x 1,800 tokens push A out of the engine's 48 blocks of 128
-            server.complete(text(other))
-        again = server.complete(text("A"))
+            complete(server, text(other))
+        again = complete(server, text("A"))
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 1536, again["usage"]  # from the host tier
         time.sleep(1)
@@ -142,6 +124,12 @@ def test_vllm_serve_with_kvtier_answers_over_http_and_exports_every_family(model
             capture_output=True, text=True, timeout=600)
         assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
         assert re.search(r"Successful requests:\s+8", bench.stdout), bench.stdout[-3000:]
+        stored = subscriber.stored()
     finally:
+        subscriber.close()
         server.stop()
+    # KV-aware routers see the host tier's blocks: under vLLM's own block hashes, with their tokens
+    ours, engine = stored.get("CPU", []), {h for e in stored.get("GPU", []) for h in e.block_hashes}
+    assert ours and all(e.block_size == 128 and len(e.token_ids) == 128 * len(e.block_hashes) > 0 for e in ours)
+    assert {h for e in ours for h in e.block_hashes} <= engine, "the hashes vLLM announced for its own blocks"
     assert "kvtier: tiers host" in (tmp_path / "serve.log").read_text()  # the startup line says what it configured

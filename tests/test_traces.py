@@ -222,3 +222,49 @@ def test_a_jsonl_line_of_no_known_format_is_named(tmp_path) -> None:
     path.write_text('\n{"timestamp": 0, "prompt": "hi"}\n')
     with pytest.raises(TraceError, match=r"x\.jsonl:2: field 'hash_ids'"):
         read_trace(path)
+
+
+# ---------------------------------------------------------------- kv-cache-tester agentic traces
+
+AGENTIC = DATA / "agentic"
+
+
+def test_agentic_conversations_become_chained_requests_with_their_subagents() -> None:
+    assert trace_format(AGENTIC) == trace_format(AGENTIC / "coder-1.json") == "agentic"
+    requests = list(read_trace(AGENTIC))
+    assert [r.timestamp for r in requests] == [0.0, 1.0, 1.5, 2.0, 3.1, 4.0, 4.5, 5.0, 6.0, 8.0, 9.0]  # all merged
+    assert [r.session for r in requests][:5] == ["coder-1", "coder-2", "coder-3", "coder-1", "coder-1::explore-1"]
+    first, second, sub = requests[0], requests[3], requests[4]
+    assert (first.input_tokens, first.output_tokens, first.block_tokens) == (20 * 64 + 37, 120, 64)
+    assert second.blocks[:20] == first.blocks  # the next turn extends the same prefix
+    assert sub.blocks[:16] == first.blocks[:16] and sub.blocks[16] not in first.blocks  # same system prompt
+    other = requests[1]
+    assert not set(other.blocks) & set(first.blocks), "'local' ids: the same id in another conversation is not shared"
+
+
+def test_agentic_ids_are_content_so_blocks_are_interned_by_prefix(tmp_path) -> None:
+    conv = {"id": "x", "block_size": 16, "hash_id_scope": "global",
+            "requests": [{"t": 0, "in": 32, "hash_ids": [1, 2]}, {"t": 1, "in": 32, "hash_ids": [3, 2]}]}
+    (tmp_path / "a.json").write_text(__import__("json").dumps(conv))
+    (tmp_path / "b.json").write_text(__import__("json").dumps({**conv, "id": "y"}))
+    a1, b1, a2, b2 = list(read_trace(tmp_path))
+    assert a1.blocks[1] != a2.blocks[1], "block 2 after 1 is not block 2 after 3"
+    assert a1.blocks == b1.blocks, "'global' ids: the same ids in another conversation are the same blocks"
+    with pytest.raises(ValueError, match="64 tokens"):
+        read_trace(AGENTIC, block_tokens=256)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"block_size": 0}, "block_size"), ({"hash_id_scope": "galaxy"}, "hash_id_scope"),
+    ({"requests": {"t": 0}}, "requests"), ({"requests": [{"t": -1, "in": 5, "hash_ids": []}]}, "requests[0].t"),
+    ({"requests": [{"t": 0, "in": 5, "hash_ids": ["a"]}]}, "requests[0].hash_ids"),
+    ({"requests": [{"t": 0, "hash_ids": [1]}]}, "requests[0].in"),
+    ({"requests": [{"t": 0, "type": "subagent", "requests": [{"t": 1, "in": "x", "hash_ids": [1]}]}]},
+     "requests[0].requests[0].in"),
+])
+def test_a_malformed_agentic_trace_names_file_and_field(tmp_path, change: dict, field: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(__import__("json").dumps({"id": "x", "block_size": 64, "requests": [], **change}))
+    with pytest.raises(TraceError) as e:
+        list(read_trace(path))
+    assert e.value.field == field and "bad.json" in str(e.value)

@@ -42,7 +42,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("moves", "counter", "Blocks moved", ("src", "dst")),
     Family("move_bytes", "counter", "Bytes moved", ("src", "dst")),
     Family("move_seconds", "histogram", "Duration of one block move", ("src", "dst")),
-    Family("evictions", "counter", "Blocks evicted", ("tier", "reason")),
+    Family("evictions", "counter", "Blocks evicted (reason lost: found gone or damaged when read)", ("tier", "reason")),
     Family("admission_rejects", "counter", "Blocks refused by a tier's admission rule", ("tier", "reason")),
     Family("stores_dropped", "counter", "Block stores dropped", ("reason",)),
     Family("integrity_failures", "counter", "Corrupt, torn or foreign blocks detected (served as misses)", ("tier",)),

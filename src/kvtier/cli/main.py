@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from kvtier import __version__
+from kvtier.cli import rollout_command
 from kvtier.cli import trace_commands as decide
 from kvtier.config import ConfigError, for_engine, parse_config
 
@@ -18,7 +19,8 @@ kvtier keeps the KV cache of LLM serving in tiers: the engine's memory (hot) -> 
 local disk and a shared Redis (cold). Reusable prefixes come back from a tier instead of being recomputed.
 
 commands:
-  demo     the rollout on a real vLLM engine (CPU, tiny model): baseline -> + host -> + host and disk
+  rollout  the seven-step rollout against a real server over HTTP (`vllm serve`, or your own command)
+  demo     the rollout on the embedded default: `vllm serve` with a tiny model on this CPU, every step
   bench    measure the tiers against plain baselines on this machine (ratios, medians of several runs)
   config   validate a kvtier config file (the JSON you pass as kv_connector_extra_config)
   tiny-model  write a servable tiny model (random weights, a locally trained tokenizer, a chat template)
@@ -32,27 +34,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="the rollout on a real vLLM engine (CPU): baseline -> + host -> + host and disk",
-                          description="Builds a tiny random-weight Llama locally, starts vLLM on the CPU and replays a "
-                          "seeded workload (shared system prompts, RAG documents, multi-turn sessions, unique prompts): "
-                          "first a reference with an engine cache that holds it all (a bigger GPU), then vLLM's prefix "
-                          "cache alone with a small engine KV budget, then with a host tier, then with host and disk "
-                          "tiers. Prints TTFT and ITL percentiles, prompt tokens by source, bytes moved, and the "
-                          "exactness check: every request that got the reference's number of cached tokens must give "
-                          "its tokens and logprobs bit for bit. Exit code 1 if one does not.")
-    demo.add_argument("--requests", type=int, default=48, help="number of requests (default 48)")
-    demo.add_argument("--concurrency", type=int, default=1,
-                      help="requests in flight together (default 1: each computed alone, so that every restore is "
-                      "checked bit for bit against the reference; batched requests differ in the last bits, and the "
-                      "check is then reported, not required)")
-    demo.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    demo.add_argument("--json", type=Path, help="write every figure to this file")
-    demo.add_argument("--plot", type=Path, default=Path("out/demo-ttft.png"),
-                      help="PNG of the TTFT distributions (default out/demo-ttft.png)")
+    demo = sub.add_parser("demo", help="the rollout on the embedded default (vllm serve, tiny model, this CPU)",
+                          description="`kvtier rollout` with every step on the embedded default: builds a tiny "
+                          "random-weight Llama and a tokenizer locally, serves it with `vllm serve` on the CPU and "
+                          "sends the built-in mix (shared system prompts, RAG documents, multi-turn sessions, unique "
+                          "prompts, long and short) over HTTP: reference, baseline, headroom, + host, + host and disk "
+                          "with its drills, and the rollback drill. Exit code 1 if a request served from a tier "
+                          "differs from the reference with the same cached length, or a drill fails.")
+    rollout_command.common(demo, requests=24)
+    demo.set_defaults(html=Path("out/demo.html"))
     demo.add_argument("--in-process", action="store_true", help="no vLLM: the same tiers behind an in-process "
                       "engine stand-in (TieredCache), every restored block checked against recomputation")
     demo.add_argument("--config", type=Path, help="with --in-process: a kvtier config JSON to compare with "
                       "'engine only' instead of the built-in configurations")
+    rollout_command.add(sub)
 
     bench = sub.add_parser("bench", help="tier throughput and lookup speed as ratios against baselines",
                            description="host tier vs torch copy_, disk tier vs raw O_DIRECT I/O on the same file "
@@ -90,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             return _config(args)
         if args.command == "demo":
             return _demo(args)
+        if args.command == "rollout":
+            return rollout_command.run(args)
         if args.command == "tiny-model":
             from kvtier.integrations.vllm.tiny_model import build_tiny_llama
 
@@ -126,22 +123,17 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    for name in ("requests", "concurrency"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name} must be > 0, got {getattr(args, name)}")
+    if args.requests <= 0:
+        raise ValueError(f"--requests must be > 0, got {args.requests}")
     config = parse_config(args.config) if args.config else None
     if config is not None and not args.in_process:
         raise ValueError("--config applies to --in-process only")
-    if args.in_process:
-        from kvtier.demo.in_process import run_demo
+    if not args.in_process:
+        return rollout_command.run(args)
+    from kvtier.demo.in_process import run_demo
 
-        results = run_demo(n_requests=args.requests, seed=args.seed, config=config)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps([r.as_dict() for r in results], indent=2, default=str))
-        return 0 if all(r.exact for r in results) else 1
-    from kvtier.demo.rollout import run_rollout
-
-    report = run_rollout(n_requests=args.requests, seed=args.seed, concurrency=args.concurrency,
-                         json_path=args.json, plot_path=args.plot)
-    return 0 if report["exact"] or not report["exactness_required"] else 1
+    results = run_demo(n_requests=args.requests, seed=args.seed, config=config)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([r.as_dict() for r in results], indent=2, default=str))
+    return 0 if all(r.exact for r in results) else 1

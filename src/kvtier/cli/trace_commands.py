@@ -51,7 +51,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--block-tokens", type=int, default=256, help="tokens per block (default 256)")
 
     def deployment(p: argparse.ArgumentParser) -> None:
-        p.add_argument("trace", type=Path, help="Mooncake JSONL, kvtier JSONL or Azure 2023 CSV (format detected)")
+        p.add_argument("trace", type=Path, help="Mooncake JSONL, kvtier JSONL, Azure 2023 CSV or a kv-cache-tester "
+                       "agentic trace (a .json per conversation, a folder of them, or JSONL); the format is detected")
         p.add_argument("--model", default="llama-3.1-8b", choices=sorted(PRESETS), help="layout preset "
                        "(default llama-3.1-8b)")
         p.add_argument("--engine-kv-gib", type=float, default=40, help="the engine's KV cache memory (default 40)")
@@ -122,8 +123,8 @@ def _requests(args: argparse.Namespace):
     """The trace's request stream, and notes on how it was read."""
     from kvtier.traces.read import read_trace, trace_format
 
-    if not args.trace.is_file():
-        raise ValueError(f"{args.trace}: no such trace file")
+    if not args.trace.exists():
+        raise ValueError(f"{args.trace}: no such trace file or folder")
     notes = []
     if trace_format(args.trace) == "azure":
         from kvtier.traces.azure import SyntheticReuse

@@ -238,8 +238,9 @@ class Directory(SharedTierPlans):
             return
         if holds and (src := block.copies.get(step.src)) is not None:
             src.readers -= 1
-        if status is Status.SOURCE_LOST and step.src in block.copies:  # a demotion's source already left
-            self._remove_copy(block, self.tier[step.src], already_deleted=True)
+        if status is Status.SOURCE_LOST and step.src in block.copies:  # gone behind our back, or a demotion's
+            self._remove_copy(block, self.tier[step.src], already_deleted=True)  # source already left
+            self.stats.evictions[(step.src, "lost")] += 1
         if step.op is Op.GET:
             if not block.copies and not block.retiring:
                 self._drop(block)
@@ -248,6 +249,8 @@ class Directory(SharedTierPlans):
         if dst is not None and dst.state is State.WRITING:
             if status is Status.OK:
                 dst.state = State.READY  # a dropped block's copy is released below, once no transfer reads it
+                if self.on_change is not None and not block.retiring:
+                    self.on_change(step.key, step.dst, True)
             else:
                 self._remove_copy(block, self.tier[step.dst], already_deleted=status is not Status.OK)
         if block.retiring:

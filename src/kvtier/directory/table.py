@@ -32,6 +32,9 @@ class BlockTable:
         self._order = [t.name for t in tiers]
         self.clock = clock
         self.stats = DirectoryStats()
+        # (key, tier, stored): a copy became readable in a tier (stored) or left it; tier None: the block left the
+        # directory. The vLLM connector's KV events.
+        self.on_change: Callable[[bytes, str | None, bool], None] | None = None
         self._blocks: dict[bytes, Block] = {}
         self._retiring: dict[bytes, Block] = {}  # dropped, with a transfer still in flight
         self._garbage: list[Step] = []  # deletes found outside a plan (cascades during completions)
@@ -203,6 +206,8 @@ class BlockTable:
             tier.free_slots.append(slot)
             return
         block.copies[tier.name] = Copy(slot, State.READY, readers=1)
+        if self.on_change is not None and not block.retiring:
+            self.on_change(block.key, tier.name, True)
         self._holding.add(reader.id)
         tier.used_blocks += 1
         if not block.retiring:
@@ -234,6 +239,8 @@ class BlockTable:
         copy = block.copies.pop(tier.name)
         tier.policy.evicted(block.key)
         self.stats.evictions[(tier.name, reason)] += 1
+        if self.on_change is not None:
+            self.on_change(block.key, tier.name, False)
         lower = self.tiers[tier.index + 1 :]
         if demote and not any(t.name in block.copies for t in lower):
             target = next((t for t in lower if t.name not in self.disabled), None)
@@ -311,6 +318,8 @@ class BlockTable:
             b = stack.pop()
             if self._blocks.pop(b.key, None) is None:
                 continue
+            if self.on_change is not None:
+                self.on_change(b.key, None, False)
             if b.parent is not None and (parent := self._blocks.get(b.parent)) is not None and parent.children:
                 parent.children.discard(b.key)
             if b.children:
@@ -334,6 +343,8 @@ class BlockTable:
     def _remove_copy(self, block: Block, tier: Tier, already_deleted: bool) -> None:
         copy = block.copies.pop(tier.name)
         tier.policy.remove(block.key)
+        if self.on_change is not None:
+            self.on_change(block.key, tier.name, False)
         if tier.spec.slotted:
             tier.free_slots.append(copy.slot)
             tier.used_blocks -= 1

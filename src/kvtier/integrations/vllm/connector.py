@@ -64,7 +64,8 @@ class KVTierConnector(KVConnectorBase_V1):
             from kvtier.integrations.vllm.scheduler import SchedulerSide
 
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            self._scheduler = SchedulerSide(config, geo)
+            events = vllm_config.kv_events_config
+            self._scheduler = SchedulerSide(config, geo, kv_events=bool(events and events.enable_kv_cache_events))
         else:
             from vllm.distributed.parallel_state import get_world_group
 
@@ -92,20 +93,23 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         """vLLM's `vllm:prompt_tokens_cached_by_source`: host and disk hits under their names; the shared tier, a
-        remote store, under `external_unspecified` (vLLM has no name for it); whatever the plan did not cover too."""
+        remote store, under `external_unspecified` (vLLM has no name for it). Tokens found at lookup that the load
+        plan could not cover (evicted in between) are recomputed, so they are in no source."""
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
         names = {TierKind.HOST: CacheHitSource.HOST, TierKind.DISK: CacheHitSource.DISK}
         sources: Counter = Counter()
         for kind, tokens in self._scheduler.served_by_kind(request.request_id).items():
             sources[names.get(kind, CacheHitSource.EXTERNAL_UNSPECIFIED)] += tokens
-        rest = num_external_tokens - sum(sources.values())
-        if rest > 0:
-            sources[CacheHitSource.EXTERNAL_UNSPECIFIED] += rest
         return {source: n for source, n in sources.items() if n > 0}
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> list[Any]:
+        """kvtier's BlockStored / BlockRemoved since the last call (`kvtier.integrations.vllm.events`)."""
+        events = self._scheduler.events if self._scheduler is not None else None
+        return events.take() if events is not None else []
 
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset_cache() if self._scheduler is not None else None

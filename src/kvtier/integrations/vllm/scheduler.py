@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvtier.config import KVTierConfig
 from kvtier.directory import Directory, Op, Plan, Status, Step
 from kvtier.integrations.vllm.control import Control
+from kvtier.integrations.vllm.events import KVEvents
 from kvtier.integrations.vllm.messages import (
     EngineBlocks,
     KVTierMetadata,
@@ -72,11 +73,14 @@ class _Lookup(NamedTuple):
 
 
 class SchedulerSide:
-    def __init__(self, config: KVTierConfig, geometry: Geometry) -> None:
+    def __init__(self, config: KVTierConfig, geometry: Geometry, kv_events: bool = False) -> None:
         self.config = config
         self.geo = geometry
         self.directory = Directory(tier_specs(config, geometry.block_nbytes, geometry.world_size),
                                    shared=shared_spec(config, geometry.block_nbytes))
+        self.events = KVEvents(geometry.engine_block_size, self.directory.kind) if kv_events else None
+        if self.events is not None:  # before recovery: what the disk had is not announced (its tokens are unknown)
+            self.directory.on_change = self.events.changed
         self.shared_store = self._shared_store()  # the scheduler's own client, for lookups
         self._asking = ThreadPoolExecutor(2, thread_name_prefix="kvtier-lookup") if self.shared_store else None
         self._asked: dict[str, tuple[int, Future]] = {}  # request id -> (first key asked, blocks the store holds)
@@ -98,6 +102,7 @@ class SchedulerSide:
         self.control = Control(config, self.directory, geometry.block_nbytes)
         self._asked_local: dict[str, int] = {}  # request id -> vLLM's own prefix hit (tokens), as last told us
         self._served: dict[str, Counter] = {}  # request id -> tokens its load takes from each kind of tier
+        self._returning: set[str] = set()  # requests back from an asynchronous load: counted when it started
         self._recover()
         log.info("kvtier: %s", self.describe())
 
@@ -192,6 +197,7 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Store the request's computed full blocks; hold its engine blocks until the workers copied them."""
         self.control.finished(request)
+        self._returning.discard(request.request_id)
         self._asked.pop(request.request_id, None)
         self._asked_local.pop(request.request_id, None)
         self._served.pop(request.request_id, None)
@@ -211,6 +217,8 @@ class SchedulerSide:
         puts = [s for c in plan.chains for s in c if s.op is Op.PUT]
         if not plan.chains:
             return False, None
+        if self.events is not None:
+            self.events.remember(request, keys, self.geo.block_tokens)
         self._ship(plan, "store")
         sources = [self._engine_blocks(block_ids, i, 0, len(keys) * self.geo.block_tokens) for i in range(len(keys))]
         self._stores.append(StoreJob(request.request_id, plan.chains, sources, holds=bool(puts)))
@@ -276,7 +284,8 @@ class SchedulerSide:
     def update_connector_output(self, worker_meta: KVTierWorkerMetadata | None,
                                 finished_recving: set[str] | None = None) -> None:
         for request_id in (finished_recving or set()) | self._settling:  # the load's errors came with it
-            self._loading.pop(request_id, None)
+            if self._loading.pop(request_id, None) is False:
+                self._returning.add(request_id)
         self._settling.clear()
         if worker_meta is None:
             return
@@ -322,6 +331,9 @@ class SchedulerSide:
 
     def _count_lookup(self, request: Request, first: int, sources: list[str]) -> None:
         """A request's prompt by source, in full blocks: vLLM's own hit, each tier's, the rest recomputed."""
+        if request.num_preemptions > 0 or request.request_id in self._returning:  # counted before, as vLLM does
+            self._returning.discard(request.request_id)
+            return
         total = len(request.block_hashes) // (self.geo.block_tokens // self.geo.engine_block_size)
         self.directory.stats.lookup_blocks["engine"] += min(first, total)
         self.directory.record_lookup(sources, max(total - first, len(sources)))

@@ -1,0 +1,112 @@
+"""Step 6's drills for the secondary tier, and step 7's drill that breaks the budget.
+
+- promotion burst: every shared prefix of the first level at once, most of them on disk only by now;
+- storage pressure: the tier's file system full (injected: `kvtier.rollout.faults`) while new prefixes arrive;
+  writes must fail as dropped stores, never as failed requests;
+- restart: kill -9 of the whole server, then the same configuration again: what the disk tier kept comes back;
+- cache loss: every file of the tier deleted under the running server: its blocks become misses, recomputed.
+A drill passes when no request failed and its own check holds. The rollback drill slows every disk read
+(injected) in a server that must load whatever the disk has (`load_policy: always`), until the guard turns the
+disk off, then heals it until the guard has it back.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvtier.rollout import client, faults
+
+if TYPE_CHECKING:
+    from kvtier.rollout.run import Rollout
+    from kvtier.rollout.server import Server
+
+DISK_ENABLED = 'kvtier_tier_enabled{tier="disk"}'
+
+
+def shared(ro: Rollout) -> list[client.Prompt]:
+    """The first level's prompts that share a prefix with others (all of them for a trace)."""
+    return [p for p in ro.workload(1) if p.kind != "unique"]
+
+
+def secondary(ro: Rollout, server: Server, step: str) -> list[dict]:
+    drills = []
+    burst = ro.measure(server, "drill: promotion burst", shared(ro), rate=1000.0)
+    drills.append(outcome("promotion burst", burst, "every shared prefix of level 1 at once",
+                          burst["tokens"]["disk"] > 0, "the disk served part of the burst"))
+
+    faults.set_full(ro.root, True)
+    try:
+        full = ro.measure(server, "drill: storage pressure", ro.workload(101), rate=None)
+    finally:
+        faults.set_full(ro.root, False)
+    failed = full["kvtier"].get('kvtier_stores_dropped_total{reason="disk_failed"}', 0)
+    drills.append(outcome("storage pressure", full, "disk writes fail with ENOSPC (injected)", failed > 0,
+                          f"{failed:.0f} stores dropped as disk_failed, requests unaffected", injected=True))
+
+    server.kill()
+    server.start()
+    ready_s = ro.ready(server, "drill: restart")
+    restarted = ro.measure(server, "drill: restart", shared(ro), rate=None)
+    drills.append(outcome("restart", restarted, "kill -9 of the server, then the same configuration",
+                          restarted["tokens"]["disk"] > 0, f"ready again after {ready_s:.0f} s; the prefixes came "
+                          "back from disk"))
+
+    root = ro.root / step / "kv"
+    for entry in root.iterdir():
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    lost = ro.measure(server, "drill: cache loss", shared(ro), rate=None)
+    gone = lost["kvtier"].get('kvtier_evictions_total{reason="lost",tier="disk"}', 0)
+    drills.append(outcome("cache loss", lost, "every file of the disk tier deleted under the running server",
+                          gone > 0, f"{gone:.0f} blocks found gone when read: recomputed, every request answered"))
+    return drills
+
+
+def outcome(name: str, summary: dict, what: str, check: bool, meaning: str, injected: bool = False) -> dict:
+    passed = check and summary["errors"] == 0
+    return {**summary, "drill": name, "what": what, "injected": injected, "passed": passed,
+            "outcome": meaning if passed else f"FAILED: {meaning} did not hold ({summary['errors']} errors)"}
+
+
+def rollback(ro: Rollout, server: Server, budget_ms: float) -> dict:
+    """Slow disk reads past the budget until the guard turns the disk off, then heal them until it is back."""
+    from kvtier.rollout.workload import VOCAB
+
+    rng = random.Random(ro.opts.seed)
+    prefixes = [[rng.randrange(3, VOCAB) for _ in range(2048 + 64)] for _ in range(8)]
+    prompts = [client.Prompt(p, "rollback", 2) for p in prefixes]
+    stored = ro.measure(server, "rollback: store 8 prefixes", prompts, rate=None)
+    delay = max(0.3, budget_ms / 1e3)
+    faults.set_read_delay(ro.root, delay)
+    start, timeline = time.monotonic(), []  # type: float, list[dict[str, Any]]
+    phases = [("slow", lambda on: not on, 40.0, 4.0), ("healed", lambda on: on, 40.0, 0.0)]
+    try:
+        for phase, done, limit_s, then_s in phases:
+            if phase == "healed":
+                faults.set_read_delay(ro.root, 0)
+            began, reached, i = time.monotonic(), None, 0
+            while time.monotonic() - began < limit_s:
+                result = client.run(server.url, server.model or "", [prompts[i % len(prompts)]], None)[0]
+                on = server.metrics("kvtier_tier_enabled").get(DISK_ENABLED, 1.0) == 1.0
+                timeline.append({"t": time.monotonic() - start, "phase": phase, "ttft_ms": 1e3 * result.ttft,
+                                 "error": result.error, "disk_enabled": on})
+                i += 1
+                if reached is None and done(on):
+                    reached = time.monotonic()
+                if reached is not None and time.monotonic() - reached >= then_s:
+                    break
+    finally:
+        faults.set_read_delay(ro.root, 0)
+    after = server.metrics("kvtier_guard_transitions")
+    off_at = next((e["t"] for e in timeline if not e["disk_enabled"]), None)
+    back_at = next((e["t"] for e in timeline if e["phase"] == "healed" and e["disk_enabled"]), None)
+    host_changed = sum(v for k, v in after.items() if 'tier="host"' in k)
+    passed = off_at is not None and back_at is not None and not host_changed and not any(e["error"] for e in timeline)
+    outcome = "FAILED: the guard did not turn the disk off and back on within 40 s each, host untouched"
+    if passed and off_at is not None and back_at is not None:
+        outcome = f"the guard turned the disk off after {off_at:.0f} s and back on {back_at - off_at:.0f} s later"
+    return {"drill": "slow disk", "what": f"every disk read sleeps {delay:.2f} s (injected), load_policy always",
+            "injected": True, "stored": stored["tokens"], "timeline": timeline, "off_after_s": off_at,
+            "back_after_s": back_at, "guard_transitions": after, "passed": passed, "outcome": outcome}

@@ -1,0 +1,145 @@
+"""The rollout's report: terminal tables, and an HTML page with the plots (TTFT distributions per step, p99
+against concurrency, prompt tokens by source, the rollback drill's timeline)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from pathlib import Path
+from typing import Any
+
+SOURCES = ("engine", "host", "disk", "remote", "recomputed")
+
+
+def tables(report: dict) -> list[Any]:
+    from rich.table import Table
+
+    budget = report.get("budget_ms")
+    levels = Table(title=f"kvtier rollout: every step at rising concurrency; prompt tokens by source from /metrics; "
+                   f"TTFT budget {_ms(budget)}; exact: requests with the reference's cached length identical bit for "
+                   "bit", title_justify="left")
+    for col in ("step", "conc.", "TTFT ms p50/p95/p99", "ITL ms p50/p99", "e2e p99", *SOURCES, "errors",
+                "in budget", "exact"):
+        levels.add_column(col, justify="left" if col == "step" else "right", no_wrap=True)
+    for s in report["steps"]:
+        for i, level in enumerate(s.get("levels", [])):
+            t, itl, tok = level["ttft_ms"], level["itl_ms"], level["tokens"]
+            e = s.get("exactness") if i == 0 else None
+            levels.add_row(s["name"] if i == 0 else "", str(level["level"]),
+                           f"{t['p50']:.0f} / {t['p95']:.0f} / {t['p99']:.0f}", f"{itl['p50']:.1f} / {itl['p99']:.1f}",
+                           f"{level['e2e_ms']['p99']:.0f}", *(f"{tok[k]:,}" for k in SOURCES), str(level["errors"]),
+                           _yes(level.get("within_budget")),
+                           "" if e is None else f"{e['identical']}/{e['compared']}" + ("" if e["exact"] else " FAILED"))
+    drills = Table(title="drills (step 6: the secondary tier; step 7: the rollback rule)", title_justify="left")
+    for col in ("step", "drill", "what", "TTFT p99 ms", "errors", "outcome"):
+        drills.add_column(col)
+    for s in report["steps"]:
+        for d in s.get("drills", []):
+            p99 = f"{d['ttft_ms']['p99']:.0f}" if "ttft_ms" in d else "—"
+            errors = str(d.get("errors", sum(1 for e in d.get("timeline", []) if e["error"])))
+            drills.add_row(s["name"], d["drill"], d["what"], p99, errors, d["outcome"])
+    out: list[Any] = [levels, drills]
+    for s in report["steps"]:
+        if s["name"] == "headroom":
+            out.append(f"host headroom: {_gib(s['mem_available_bytes'])} available of {_gib(s['mem_total_bytes'])}, "
+                       f"server {_gib(s['server_rss_bytes'])}, reserve {_gib(s['reserve_bytes'])} (a tenth of the "
+                       f"host) -> {_gib(s['headroom_bytes'])} left; host tier {_gib(s['host_tier_bytes'])}: "
+                       + ("fits" if s["fits"] else "DOES NOT FIT"))
+        if s.get("rolled_back"):
+            out.append(f"rollback rule: '{s['name']}' broke the TTFT budget of {_ms(budget)}: roll it back")
+    for name, f in report.get("findings", {}).items():
+        reused, unique = f["reused_ttft_p50_vs_baseline"], f["unique_ttft_p99_vs_baseline"]
+        out.append(f"{name}: reused prompts' TTFT p50 {_ratio(reused)} of the baseline's, unique prompts' p99 "
+                   f"{_ratio(unique)} (concurrency 1)")
+    return out
+
+
+def write_html(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = []
+    served = [s for s in report["steps"] if s.get("levels")]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for s in served:
+        values = sorted(1e3 * r["ttft"] for r in s["levels"][0]["results"] if r["error"] is None)
+        ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=s["name"])
+    _finish(ax, "TTFT (ms)", "fraction of requests", "TTFT by step (concurrency 1)", log=True)
+    figures.append(_png(fig))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for s in served:
+        ax.plot([lv["level"] for lv in s["levels"]], [lv["ttft_ms"]["p99"] for lv in s["levels"]], "o-",
+                label=s["name"])
+    if report.get("budget_ms"):
+        ax.axhline(report["budget_ms"], color="red", linestyle="--", label="budget")
+    _finish(ax, "concurrency", "TTFT p99 (ms)", "p99 TTFT against concurrency")
+    figures.append(_png(fig))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(served)
+    for source in SOURCES:
+        values = [sum(lv["tokens"][source] for lv in s["levels"]) for s in served]
+        ax.bar([s["name"] for s in served], values, bottom=bottom, label=source)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    _finish(ax, "step", "prompt tokens", "prompt tokens by source (all levels)")
+    figures.append(_png(fig))
+    timeline = next((d["timeline"] for s in report["steps"] for d in s.get("drills", []) if "timeline" in d), None)
+    if timeline:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.scatter([e["t"] for e in timeline], [e["ttft_ms"] for e in timeline],
+                   c=["tab:green" if e["disk_enabled"] else "tab:red" for e in timeline], s=12)
+        if report.get("budget_ms"):
+            ax.axhline(report["budget_ms"], color="red", linestyle="--")
+        _finish(ax, "seconds", "TTFT (ms)", "rollback drill: slow disk (red: the guard has the disk off)", legend=False)
+        figures.append(_png(fig))
+    texts = "".join(f"<pre>{html.escape(_plain(t))}</pre>" for t in tables(report))
+    images = "".join(f'<img src="data:image/png;base64,{f}">' for f in figures)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"<!doctype html><meta charset=utf-8><title>kvtier rollout</title><h1>kvtier rollout</h1>"
+                    f"{images}{texts}")
+
+
+def _finish(ax: Any, xlabel: str, ylabel: str, title: str, log: bool = False, legend: bool = True) -> None:
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if legend:
+        ax.legend()
+
+
+def _png(fig: Any) -> str:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _plain(renderable: Any) -> str:
+    from rich.console import Console
+
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()
+
+
+def _ms(value: float | None) -> str:
+    return "none" if value is None else f"{value:,.0f} ms"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def _ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def _yes(value: bool | None) -> str:
+    return "—" if value is None else "yes" if value else "NO"

@@ -1,0 +1,144 @@
+"""An OpenAI-compatible server the rollout (and the tests) drive over HTTP: `vllm serve` started here with the
+tiny model on this CPU, or the user's own server started from a command template.
+
+A template is a shell command with `{port}` and `{kv_transfer_config}` (the JSON for vLLM's
+`--kv-transfer-config`, shell-quoted; empty for a step without kvtier):
+
+    vllm serve my/model --port {port} --gpu-memory-utilization 0.9 {kv_transfer_config}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+# The embedded default: vLLM's CPU backend, the tiny model, an engine cache of 48 blocks of 128 tokens.
+ENGINE_FLAGS = ["--block-size", "128", "--enable-prefix-caching", "--max-num-seqs", "4", "--enforce-eager",
+                "--max-model-len", "4096", "--dtype", "bfloat16", "--enable-prompt-tokens-details", "--seed", "0"]
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+MAX_MODEL_LEN = 4096
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def transfer_config(kvtier: dict | None) -> dict | None:
+    """vLLM's `--kv-transfer-config` for a kvtier config (its `kv_connector_extra_config`)."""
+    if kvtier is None:
+        return None
+    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": kvtier}
+
+
+def embedded_command(model: str, kvtier: dict | None, engine_blocks: int, port: int) -> list[str]:
+    """`vllm serve` from this environment: the CLI next to this Python."""
+    transfer = transfer_config(kvtier)
+    extra = [] if transfer is None else ["--kv-transfer-config", json.dumps(transfer)]
+    return [str(Path(sys.executable).parent / "vllm"), "serve", model, "--port", str(port), *ENGINE_FLAGS,
+            "--num-gpu-blocks-override", str(engine_blocks), *extra]
+
+
+def template_command(template: str, kvtier: dict | None, port: int) -> list[str]:
+    transfer = transfer_config(kvtier)
+    flag = "" if transfer is None else "--kv-transfer-config " + shlex.quote(json.dumps(transfer))
+    return ["/bin/sh", "-c", template.format(port=port, kv_transfer_config=flag)]
+
+
+class Server:
+    """One server process (its own session: a kill reaches the engine's processes too) and its log file."""
+
+    def __init__(self, command: list[str], port: int, log: Path, env: dict[str, str] | None = None,
+                 model: str | None = None) -> None:
+        self.command, self.port, self.log_path, self.model = command, port, log, model
+        self.env = {**os.environ, **ENGINE_ENV, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("a") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float = 300) -> float:
+        """Seconds until /health answered; RuntimeError with the log's tail if the server exits or never does."""
+        start = time.monotonic()
+        assert self.proc is not None
+        while time.monotonic() - start < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+        if self.model is None:
+            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=10) as r:
+                self.model = json.loads(r.read())["data"][0]["id"]
+        return time.monotonic() - start
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+    def metrics(self, prefix: str = "") -> dict[str, float]:
+        """/metrics samples whose name starts with `prefix`, as `name{label="v",...}` (labels sorted, vLLM's
+        `engine` and `model_name` left out)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            m = re.match(rf"^({re.escape(prefix)}[\w:]*)(?:\{{(.*)\}})? (\S+)$", line)
+            if m and not line.startswith("#"):
+                labels = ",".join(sorted(p for p in re.findall(r'\w+="[^"]*"', m.group(2) or "")
+                                         if not p.startswith(("engine=", "model_name="))))
+                key = f"{m.group(1)}{{{labels}}}"
+                out[key] = out.get(key, 0.0) + float(m.group(3))
+        return out
+
+    def rss_bytes(self) -> int:
+        """Resident memory of every process of the server (its session), now."""
+        assert self.proc is not None
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[3]) == self.proc.pid:  # the process group: the server and the engine it started
+                    total += int((stat.parent / "statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            except (OSError, IndexError, ValueError):
+                continue
+        return total
+
+    def kill(self) -> None:
+        """kill -9 of the whole server (the restart drill): nothing is flushed, nothing is cleaned up."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout_s: float = 60) -> None:
+        """SIGTERM, as an orchestrator stops a server; SIGKILL if it has not exited after `timeout_s`."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()

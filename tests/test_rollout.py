@@ -1,0 +1,93 @@
+"""`kvtier rollout` against real `vllm serve` processes over HTTP: every step, the drills, the guard, and the
+exactness check that must catch a wrong restore."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+vllm = pytest.importorskip("vllm") if os.environ.get("CI") != "true" else __import__("vllm")
+
+
+def same_as_the_clients(run: dict) -> None:
+    """The tokens by source the rollout read from /metrics are what the clients were told request by request,
+    one request at a time. Under contention they are not: vLLM counts a preempted request's engine hits again
+    when it is admitted again, and a block found at lookup can be evicted before its load."""
+    tokens = run["tokens"]
+    cached = tokens["engine"] + tokens["host"] + tokens["disk"] + tokens["remote"]
+    assert tokens["prompt"] == run["client_prompt_tokens"], run["label"]
+    if run["rate_per_s"] is None:
+        assert cached == run["client_cached_tokens"], run["label"]
+    lookups = run["kvtier"]  # kvtier's own families: whole blocks found, vLLM's the tokens loaded (up to a block less)
+    for source in ("host", "disk"):
+        found = lookups.get(f'kvtier_lookup_tokens_total{{source="{source}"}}', 0)
+        assert found - 256 * run["requests"] <= tokens[source] <= found, (run["label"], source)
+
+
+def test_the_rollout_on_the_embedded_default(tmp_path):
+    from rich.console import Console
+
+    from kvtier.rollout.present import write_html
+    from kvtier.rollout.run import Options, run
+
+    report = run(Options(requests=16, levels=(1, 2)), Console(file=open(os.devnull, "w")))
+    steps = {s["name"]: s for s in report["steps"]}
+    assert list(steps) == ["reference", "baseline", "headroom", "host", "host+disk", "rollback"]
+    assert report["exact"] is True
+    for name in ("baseline", "host", "host+disk"):
+        e = steps[name]["exactness"]
+        assert e["compared"] >= 8 and e["identical"] == e["compared"], (name, e)
+        for level in steps[name]["levels"]:
+            assert level["errors"] == 0 and level["requests"] == 16
+            assert set(level["ttft_ms"]) == set(level["itl_ms"]) == {"p50", "p95", "p99"}
+            same_as_the_clients(level)
+    assert sum(lv["tokens"]["host"] for lv in steps["host"]["levels"]) > 0, "the host tier served prompt tokens"
+    assert steps["headroom"]["mem_total_bytes"] > steps["headroom"]["server_rss_bytes"] > 0
+    assert "tiers host" in steps["host"]["startup_line"] and "disk" in steps["host+disk"]["startup_line"]
+
+    drills = {d["drill"]: d for d in steps["host+disk"]["drills"]}
+    assert list(drills) == ["promotion burst", "storage pressure", "restart", "cache loss"]
+    assert all(d["passed"] and d["errors"] == 0 for d in drills.values()), {k: d["outcome"] for k, d in drills.items()}
+    assert drills["storage pressure"]["kvtier"]['kvtier_stores_dropped_total{reason="disk_failed"}'] > 0  # injected
+    assert drills["restart"]["tokens"]["disk"] > 0
+    assert drills["cache loss"]["kvtier"]['kvtier_evictions_total{reason="lost",tier="disk"}'] > 0
+    for name in ("promotion burst", "storage pressure", "restart"):
+        same_as_the_clients(drills[name])
+    lost = drills["cache loss"]  # vLLM counts a hit at admission; the lost blocks were recomputed after
+    assert lost["client_cached_tokens"] < sum(lost["tokens"][s] for s in ("engine", "host", "disk", "remote"))
+
+    slow = steps["rollback"]["drills"][0]
+    assert slow["passed"], slow["outcome"]
+    assert slow["guard_transitions"]['kvtier_guard_transitions_total{tier="disk",to="off"}'] >= 1
+    assert slow["guard_transitions"]['kvtier_guard_transitions_total{tier="disk",to="on"}'] >= 1
+    assert max(e["ttft_ms"] for e in slow["timeline"]) > report["budget_ms"], "the injected delay broke the budget"
+    assert steps["rollback"]["guard_transitions"] == slow["guard_transitions"]
+
+    write_html(report, tmp_path / "rollout.html")
+    assert (tmp_path / "rollout.html").read_text().count("data:image/png;base64,") == 4
+
+
+def test_a_kv_cache_tester_trace_through_the_cli_and_a_corrupted_restore_caught(tmp_path):
+    """A test build whose host restores flip one bit of every KV element after the checksum: the rollout's
+    exactness check must fail for the step with kvtier, exit 1, and still report every request."""
+    corrupt = ROOT / "tests" / "data" / "corrupt_restores"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(corrupt), os.environ.get("PYTHONPATH")]))}
+    out = tmp_path / "rollout.json"
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "rollout", "--trace", str(ROOT / "tests" / "data" /
+                           "traces" / "agentic"), "--steps", "reference,host", "--levels", "1", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    reference, host = report["steps"]
+    level = host["levels"][0]
+    assert level["requests"] == 11 and level["errors"] == 0  # every request of the trace, sub-agents included
+    same_as_the_clients(level)
+    assert level["tokens"]["host"] > 0
+    assert not host["exactness"]["exact"] and report["exact"] is False
+    assert "FAILED" in proc.stdout
