@@ -133,3 +133,30 @@ def test_vllm_serve_with_kvtier_answers_over_http_and_exports_every_family(model
     assert ours and all(e.block_size == 128 and len(e.token_ids) == 128 * len(e.block_hashes) > 0 for e in ours)
     assert {h for e in ours for h in e.block_hashes} <= engine, "the hashes vLLM announced for its own blocks"
     assert "kvtier: tiers host" in (tmp_path / "serve.log").read_text()  # the startup line says what it configured
+
+
+def test_a_graceful_stop_writes_the_host_tier_to_disk_and_the_restarted_server_serves_it(model_dir, tmp_path):
+    """write_back: blocks reach the disk only when the host evicts them, so a big host tier holds them all. A
+    stop that gives vLLM time (`--shutdown-timeout`) runs the connector's shutdown, which writes them to disk;
+    the next server recovers them and serves the prompt from disk."""
+    root = tmp_path / "kv"
+    config = {"cpu_bytes_to_use": 64 << 20, "block_size": 256, "load_policy": "always",
+              "secondary_tiers": [{"type": "fs", "root_dir": str(root), "max_bytes": 64 << 20}]}
+    server = serve(model_dir, config, tmp_path / "first.log", ["--shutdown-timeout", "30"])
+    try:
+        first = [complete(server, text(name)) for name in "ABCD"]
+        assert not list(root.rglob("*.kv")), "write_back: nothing evicted from host, nothing on disk yet"
+    finally:
+        server.stop()
+    log = (tmp_path / "first.log").read_text()
+    flushed = re.search(r"kvtier: shutdown: (\d+) of the host tier's (\d+) blocks written to disk", log)
+    assert flushed and flushed.group(1) == flushed.group(2) == str(len(list(root.rglob("*.kv")))), log[-3000:]
+    assert int(flushed.group(1)) == 4 * (1800 // 256)  # every full block of the four prompts
+    server = serve(model_dir, config, tmp_path / "second.log", [])
+    try:
+        again = complete(server, text("A"))
+        m = server.metrics()
+    finally:
+        server.stop()
+    assert f"disk 64 MiB (127 blocks, lru, {flushed.group(1)} recovered)" in (tmp_path / "second.log").read_text()
+    assert m['kvtier_lookup_tokens_total{source="disk"}'] >= 1536 and again["choices"] == first[0]["choices"]

@@ -375,3 +375,12 @@ def test_restart_recovers_every_block_and_chain(tmp_path: Path, o_direct: bool) 
     assert {(b.key, b.parent) for b in blocks} == set(zip(ks, parents(ks)))
     assert len(list((tmp_path / "root" / OTHER_NS / "0").rglob("*.kv"))) == 3
     assert_others_ok(again, ks, data, set())
+
+
+def test_holds_says_whether_a_block_file_is_there(tmp_path: Path, o_direct: bool) -> None:
+    store, ks, _ = filled(tmp_path, o_direct, n=3)
+    assert all(store.holds(k) for k in ks) and not store.holds(b"z" * 32)
+    assert store.delete(ks[1]) and not store.holds(ks[1]) and store.holds(ks[2])
+    block_path(store, ks[2]).unlink()  # removed behind its back
+    assert not store.holds(ks[2])
+    store.close()

@@ -176,6 +176,7 @@ class KVTierConfig(_Strict):
     admit_after_sightings: PositiveInt = 1
     secondary_tiers: list[SecondaryTier] = []
     queue_depth: PositiveInt = 64  # pending store jobs before stores are dropped (never blocking compute)
+    shutdown_flush_s: float = Field(10.0, ge=0)  # a graceful shutdown writes the host's blocks to disk this long
     tenant_salt: str = ""
     # The name of an environment variable holding a secret: disk and redis blocks are signed with it, and only
     # blocks signed with it are served (anyone who can write root_dir or the Redis server could plant others).

@@ -104,7 +104,7 @@ def rollback(ro: Rollout, server: Server, budget_ms: float) -> dict:
     back_at = next((e["t"] for e in timeline if e["phase"] == "healed" and e["disk_enabled"]), None)
     host_changed = sum(v for k, v in after.items() if 'tier="host"' in k)
     passed = off_at is not None and back_at is not None and not host_changed and not any(e["error"] for e in timeline)
-    outcome = "FAILED: the guard did not turn the disk off and back on within 40 s each, host untouched"
+    outcome = "FAILED: the guard did not turn the disk off and back on within 40 s each, or turned the host off"
     if passed and off_at is not None and back_at is not None:
         outcome = f"the guard turned the disk off after {off_at:.0f} s and back on {back_at - off_at:.0f} s later"
     return {"drill": "slow disk", "what": f"every disk read sleeps {delay:.2f} s (injected), load_policy always",

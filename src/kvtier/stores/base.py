@@ -98,6 +98,8 @@ class ObjectStore(Protocol):
 class LocalStore(ObjectStore, Protocol):
     """DISK: an ObjectStore whose blocks outlive the process, found again by a restart scan."""
 
+    def holds(self, key: bytes) -> bool: ...
+
     def scan(self) -> tuple[list[RecoveredBlock], dict[str, int]]:
         """The valid blocks, oldest first, and how many files were removed, by reason."""
         ...

@@ -256,6 +256,21 @@ class DiskStore:
         except (FileNotFoundError, IsADirectoryError, PermissionError):
             return False
 
+    def holds(self, key: bytes) -> bool:
+        """Whether a file of block `key` is there (not whether it is whole: `read` checks that)."""
+        check_key(key)
+        name = file_name(key)
+        sub = self._opensubdir(name, create=False)
+        if sub is None:
+            return False
+        try:
+            os.stat(name, dir_fd=sub, follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
+        finally:
+            os.close(sub)
+
     def delete(self, key: bytes) -> bool:
         """Remove block `key`; True if a file was removed, False if there was none."""
         check_key(key)

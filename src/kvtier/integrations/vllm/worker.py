@@ -77,6 +77,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._deltas = Deltas()
         self._puts_left: dict[str, set[int]] = {}  # request id -> PUT steps still copying its engine blocks
+        self._host_blocks: dict[int, tuple[bytes, bytes | None]] = {}  # host slot -> the block last written there
         # vLLM's CPU backend binds its compute threads to cores; ours may run on any core of the machine
         self._cpus = set(range(os.cpu_count() or 1))
         self._loading = ThreadPoolExecutor(2, thread_name_prefix="kvtier-load",  # asynchronous loads
@@ -157,6 +158,9 @@ class WorkerSide:
         with self._lock:
             for step in steps:
                 self._completions[step.id] = status
+                if status is Status.OK and step.dst_slot is not None and self.stores is not None \
+                        and step.dst == self.stores.host_name:
+                    self._host_blocks[step.dst_slot] = (step.key, step.parent)
                 if step.op is Op.PUT:
                     for request_id, left in list(self._puts_left.items()):
                         if step.id in left:
@@ -218,8 +222,35 @@ class WorkerSide:
         return payload
 
     def shutdown(self) -> None:
+        """vLLM tears the worker down (a graceful stop: SIGTERM with `--shutdown-timeout` > 0): transfers in flight
+        finish, then the host tier's blocks go to the first disk tier, for `shutdown_flush_s` at most."""
         self._loading.shutdown(wait=True)
         if self.mover is not None:
             self.mover.close()
         if self.stores is not None:
+            written, held = self.flush(self.config.shutdown_flush_s)
+            log.info("kvtier: shutdown: %d of the host tier's %d blocks written to disk (the others were there)",
+                     written, held)
             self.stores.close()
+
+    def flush(self, budget_s: float) -> tuple[int, int]:
+        """Write every host block no disk tier file holds to the first disk tier: (written, blocks in host). A
+        restart's scan finds them (beyond the tier's capacity, its policy evicts the oldest)."""
+        assert self.stores is not None
+        disk = next(iter(self.stores.local.values()), None)
+        if disk is None:
+            return 0, len(self._host_blocks)
+        deadline, written = time.monotonic() + budget_s, 0
+        for slot, (key, parent) in self._host_blocks.items():
+            if time.monotonic() > deadline:
+                log.warning("kvtier: shutdown: flush stopped after %.1f s (shutdown_flush_s)", budget_s)
+                break
+            if disk.holds(key):
+                continue
+            try:
+                disk.write(key, parent, self.stores.host.slot(slot))
+                written += 1
+            except OSError as exc:
+                log.warning("kvtier: shutdown: flush stopped: %s", exc)
+                break
+        return written, len(self._host_blocks)
