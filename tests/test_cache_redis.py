@@ -297,7 +297,7 @@ class SharedDirectoryMachine(DirectoryMachine):
     def setup(self, specs: list[TierSpec], sightings: int) -> None:  # type: ignore[override]
         super().setup(specs)
         self.shared = SharedSpec("redis", BLOCK, AdmissionRule(min_sightings=sightings))
-        self.d = Directory(specs, clock=lambda: 0.0, shared=self.shared)
+        self.d = self._listened(Directory(specs, clock=lambda: 0.0, shared=self.shared))
         self.redis: dict[bytes, bytes | None] = {}  # key -> parent, with the chain invariant
 
     def _redis_drop(self, key: bytes) -> None:
@@ -336,7 +336,7 @@ class SharedDirectoryMachine(DirectoryMachine):
 
     def fresh_directory(self) -> Directory:
         """As the base machine's, with the shared tier (which a restart does not touch)."""
-        return Directory([t.spec for t in self.d.tiers], clock=lambda: 0.0, shared=self.shared)
+        return self._listened(Directory([t.spec for t in self.d.tiers], clock=lambda: 0.0, shared=self.shared))
 
     def _execute(self, step: Step, roll: int) -> Status:
         if step.dst == "redis":
