@@ -241,16 +241,14 @@ class WorkerSide:
         if disk is None:
             return 0, len(self._host_blocks)
         deadline, written = time.monotonic() + budget_s, 0
-        for slot, (key, parent) in self._host_blocks.items():
-            if time.monotonic() > deadline:
-                log.warning("kvtier: shutdown: flush stopped after %.1f s (shutdown_flush_s)", budget_s)
-                break
-            if disk.holds(key):
-                continue
-            try:
-                disk.write(key, parent, self.stores.host.slot(slot))
-                written += 1
-            except OSError as exc:
-                log.warning("kvtier: shutdown: flush stopped: %s", exc)
-                break
+        try:
+            for slot, (key, parent) in self._host_blocks.items():
+                if time.monotonic() > deadline:
+                    log.warning("kvtier: shutdown: flush stopped after %.1f s (shutdown_flush_s)", budget_s)
+                    break
+                if not disk.holds(key):
+                    disk.write(key, parent, self.stores.host.slot(slot))
+                    written += 1
+        except Exception as exc:  # a failing disk stops the flush, never the shutdown
+            log.warning("kvtier: shutdown: flush stopped: %s", exc)
         return written, len(self._host_blocks)
