@@ -36,15 +36,15 @@ def test_the_rollout_on_the_embedded_default(tmp_path):
     from kvtier.rollout.present import write_html
     from kvtier.rollout.run import Options, run
 
-    report = run(Options(requests=16, levels=(1, 2)), Console(file=open(os.devnull, "w")))
+    report = run(Options(requests=12, levels=(1, 2)), Console(file=open(os.devnull, "w")))
     steps = {s["name"]: s for s in report["steps"]}
     assert list(steps) == ["reference", "baseline", "headroom", "host", "host+disk", "rollback"]
     assert report["exact"] is True
     for name in ("baseline", "host", "host+disk"):
         e = steps[name]["exactness"]
-        assert e["compared"] >= 8 and e["identical"] == e["compared"], (name, e)
+        assert e["compared"] >= 6 and e["identical"] == e["compared"], (name, e)
         for level in steps[name]["levels"]:
-            assert level["errors"] == 0 and level["requests"] == 16
+            assert level["errors"] == 0 and level["requests"] == 12
             assert set(level["ttft_ms"]) == set(level["itl_ms"]) == {"p50", "p95", "p99"}
             same_as_the_clients(level)
     assert sum(lv["tokens"]["host"] for lv in steps["host"]["levels"]) > 0, "the host tier served prompt tokens"

@@ -92,7 +92,7 @@ def test_aborts_and_preemptions_leak_nothing_and_later_hits_stay_exact(tiny_mode
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    data = last_json(proc.stdout)
     assert set(data["finished"]) == {"P", "R"} and data["preempted"], "Q and S aborted; vLLM preempted"
     engine_hit = engine_only[-1]
     assert data["again"]["cached"] == engine_hit["cached"] == 1920
@@ -226,6 +226,11 @@ GUARD = {"ttft_p99_ms": 600, "window_s": 5, "breach_windows": 2, "of_windows": 3
          "probe_share": 0.5}
 
 
+def last_json(stdout: str) -> dict:
+    """A scenario's findings: its last JSON line (vLLM's and kvtier's log lines go to stdout too)."""
+    return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
+
+
 def slowed(model: str, config: dict, delay_s: float, requests: int | None = None) -> dict:
     """tests/vllm/guard.py's findings: a real engine whose disk reads sleep `delay_s`."""
     args = [sys.executable, "-m", "tests.vllm.guard", model, json.dumps(config), str(delay_s)]
@@ -233,7 +238,7 @@ def slowed(model: str, config: dict, delay_s: float, requests: int | None = None
     proc = subprocess.run(args + ([str(requests)] if requests else []), cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    return last_json(proc.stdout)
 
 
 def exact_by_cached_length(requests: list[dict]) -> None:
