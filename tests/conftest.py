@@ -53,3 +53,14 @@ def redis_server(tmp_path):
     server = RedisServer(binary, tmp_path / "redis").start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def served_model(tmp_path_factory) -> str:
+    """`kvtier tiny-model DIR`, as a user would write it: weights, a tokenizer, a chat template."""
+    import subprocess
+    import sys
+
+    path = tmp_path_factory.mktemp("served") / "tiny"
+    subprocess.run([sys.executable, "-m", "kvtier.cli", "tiny-model", str(path)], check=True, capture_output=True)
+    return str(path)

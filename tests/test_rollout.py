@@ -30,13 +30,13 @@ def same_as_the_clients(run: dict) -> None:
         assert found - 256 * run["requests"] <= tokens[source] <= found, (run["label"], source)
 
 
-def test_the_rollout_on_the_embedded_default(tmp_path):
+def test_the_rollout_on_the_embedded_default(tmp_path, served_model):
     from rich.console import Console
 
     from kvtier.rollout.present import write_html
     from kvtier.rollout.run import Options, run
 
-    report = run(Options(requests=12, levels=(1, 2)), Console(file=open(os.devnull, "w")))
+    report = run(Options(requests=12, levels=(1, 2), model=Path(served_model)), Console(file=open(os.devnull, "w")))
     steps = {s["name"]: s for s in report["steps"]}
     assert list(steps) == ["reference", "baseline", "headroom", "host", "host+disk", "rollback"]
     assert report["exact"] is True
@@ -73,14 +73,15 @@ def test_the_rollout_on_the_embedded_default(tmp_path):
     assert (tmp_path / "rollout.html").read_text().count("data:image/png;base64,") == 4
 
 
-def test_a_kv_cache_tester_trace_through_the_cli_and_a_corrupted_restore_caught(tmp_path):
+def test_a_kv_cache_tester_trace_through_the_cli_and_a_corrupted_restore_caught(tmp_path, served_model):
     """A test build whose host restores flip one bit of every KV element after the checksum: the rollout's
     exactness check must fail for the step with kvtier, exit 1, and still report every request."""
     corrupt = ROOT / "tests" / "data" / "corrupt_restores"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(corrupt), os.environ.get("PYTHONPATH")]))}
     out = tmp_path / "rollout.json"
     proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "rollout", "--trace", str(ROOT / "tests" / "data" /
-                           "traces" / "agentic"), "--steps", "reference,host", "--levels", "1", "--json", str(out)],
+                           "traces" / "agentic"), "--steps", "reference,host", "--levels", "1", "--model", served_model,
+                           "--json", str(out)],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -91,3 +92,14 @@ def test_a_kv_cache_tester_trace_through_the_cli_and_a_corrupted_restore_caught(
     assert level["tokens"]["host"] > 0
     assert not host["exactness"]["exact"] and report["exact"] is False
     assert "FAILED" in proc.stdout
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--steps", "baseline,foo"], "'foo'"), (["--levels", "1,x"], "'1,x'"), (["--trace", "/no/such/trace"], "/no/such"),
+    (["--model", "/no/such/model"], "/no/such/model"), (["--requests", "0"], "--requests"),
+    (["--command", "vllm serve m"], "{port}"), (["--command", "x {port}", "--steps", "reference"], "reference"),
+])
+def test_bad_input_exits_2_naming_it_before_any_server_starts(args: list[str], named: str):
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "rollout", *args], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and named in proc.stderr, proc.stderr

@@ -22,12 +22,9 @@ BIN = Path(sys.executable).parent
 vllm = pytest.importorskip("vllm") if os.environ.get("CI") != "true" else __import__("vllm")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    """`kvtier tiny-model DIR`, as a user would write it."""
-    path = tmp_path_factory.mktemp("served") / "tiny"
-    subprocess.run([sys.executable, "-m", "kvtier.cli", "tiny-model", str(path)], check=True, capture_output=True)
-    return str(path)
+@pytest.fixture
+def model_dir(served_model) -> str:
+    return served_model
 
 
 def serve(model: str, kvtier: dict, log: Path, flags: list[str]) -> Server:

@@ -36,6 +36,8 @@ def add(sub: argparse._SubParsersAction) -> None:
     rollout.add_argument("--levels", default="1,2,4", help="concurrency levels (default 1,2,4); 1 is one request at "
                          "a time, the others open-loop Poisson arrivals at that many times level 1's service rate")
     rollout.add_argument("--ttft-budget-ms", type=float, help="the rollback rule's TTFT p99 budget")
+    rollout.add_argument("--model", type=Path, help="the embedded server's model: a folder `kvtier tiny-model` "
+                         "wrote (default: one built here)")
     common(rollout, requests=24)
 
 
@@ -60,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
     trace = getattr(args, "trace", None)
     if trace is not None and not trace.exists():
         raise ValueError(f"--trace: {trace}: no such file or folder")
-    opts = Options(requests=args.requests, levels=levels, max_tokens=args.max_tokens, trace=trace,
+    model = getattr(args, "model", None)
+    if model is not None and not (model / "config.json").is_file():
+        raise ValueError(f"--model: {model}: no config.json there (write one with `kvtier tiny-model DIR`)")
+    opts = Options(requests=args.requests, levels=levels, max_tokens=args.max_tokens, trace=trace, model=model,
                    command=getattr(args, "server_command", None), seed=args.seed,
                    steps=tuple(s.strip() for s in getattr(args, "steps", ",".join(STEPS)).split(",") if s.strip()),
                    ttft_budget_ms=getattr(args, "ttft_budget_ms", None))

@@ -80,7 +80,7 @@ def rollback(ro: Rollout, server: Server, budget_ms: float) -> dict:
     stored = ro.measure(server, "rollback: store 8 prefixes", prompts, rate=None)
     delay = max(0.3, budget_ms / 1e3)
     faults.set_read_delay(ro.root, delay)
-    start, timeline = time.monotonic(), []  # type: float, list[dict[str, Any]]
+    start, timeline = time.monotonic(), list[dict[str, Any]]()
     phases = [("slow", lambda on: not on, 40.0, 4.0), ("healed", lambda on: on, 40.0, 0.0)]
     try:
         for phase, done, limit_s, then_s in phases:

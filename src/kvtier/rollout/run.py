@@ -16,7 +16,7 @@ import math
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ class Options:
     max_tokens: int = 8
     trace: Path | None = None
     command: str | None = None  # a template (`kvtier.rollout.server`); None: the embedded tiny model
+    model: Path | None = None  # the embedded server's model, written by `kvtier tiny-model`; None: built here
     steps: tuple[str, ...] = STEPS
     ttft_budget_ms: float | None = None  # None: 1.5 x the baseline's worst p99
     host_bytes: int = 24 * BLOCK_NBYTES  # deliberately tight: the disk tier has work to do
@@ -189,7 +190,7 @@ def run(opts: Options, console: Any = None, on_step: Callable[[dict], None] | No
     console = readable_console(console)
     with tempfile.TemporaryDirectory(prefix="kvtier-rollout-") as tmp, \
             Progress(console=console, transient=True) as progress:
-        ro = Rollout(replace(opts), Path(tmp), progress)
+        ro = Rollout(opts, Path(tmp), progress)
         ro.report = {"options": {k: str(v) if isinstance(v, Path) else v for k, v in opts.__dict__.items()},
                      "budget_ms": opts.ttft_budget_ms, "steps": []}
         steps.run_all(ro, on_step)

@@ -16,7 +16,9 @@ ENGINE_BLOCK_BYTES = 2 * ENGINE_BLOCK_TOKENS * 2048  # the tiny model's KV per e
 
 
 def run_all(ro: Rollout, on_step: Callable[[dict], None] | None) -> None:
-    if not ro.opts.command:
+    if ro.opts.model is not None:
+        ro.model = str(ro.opts.model)
+    elif not ro.opts.command:
         from kvtier.integrations.vllm.tiny_model import build_tiny_llama
 
         ro.model = build_tiny_llama(ro.root / "tiny-llama", tokenizer=True)
