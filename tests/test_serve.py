@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.rollout.run import ENGINE_BLOCKS
+from kvtier.integrations.vllm.tiny_model import ENGINE_BLOCKS
 from kvtier.rollout.server import Server, embedded_command, free_port
 
 BIN = Path(sys.executable).parent

@@ -22,11 +22,12 @@ from typing import Any
 
 from kvtier.bench.timing import percentile
 from kvtier.rollout import client, workload
+from kvtier.integrations.vllm.tiny_model import ENGINE_BLOCKS
 from kvtier.rollout.server import MAX_MODEL_LEN, Server, embedded_command, free_port, template_command
 
 STEPS = ("reference", "baseline", "headroom", "host", "host+disk", "rollback")
-ENGINE_BLOCKS = 48  # 6,144 tokens of engine KV: the cache is under pressure
-BLOCK_NBYTES = 2 * 128 * 2048  # a 256-token kvtier block of the tiny model (2 KiB per token)
+KV_BYTES_PER_TOKEN = 2048  # the tiny model: 4 layers x K and V x 2 KV heads x 64 x bf16
+BLOCK_NBYTES = 256 * KV_BYTES_PER_TOKEN  # a kvtier block of 256 tokens
 KVTIER_FIGURES = ("kvtier_lookup_tokens_total", "kvtier_guard_transitions_total", "kvtier_stores_dropped_total",
                   "kvtier_load_decisions_total", "kvtier_evictions_total")
 SOURCES = {"device": "engine", "host": "host", "disk": "disk", "external_unspecified": "remote", "p2p": "remote"}

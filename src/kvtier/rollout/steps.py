@@ -8,11 +8,9 @@ from pathlib import Path
 
 from kvtier.demo import exactness
 from kvtier.rollout import drills, faults
-from kvtier.rollout.run import ENGINE_BLOCKS, Rollout, budget_from, quantiles
+from kvtier.integrations.vllm.tiny_model import ENGINE_BLOCK_TOKENS, ENGINE_BLOCKS
+from kvtier.rollout.run import KV_BYTES_PER_TOKEN, Rollout, budget_from, quantiles
 from kvtier.rollout.server import ENGINE_ENV
-
-ENGINE_BLOCK_TOKENS = 128
-ENGINE_BLOCK_BYTES = 2 * ENGINE_BLOCK_TOKENS * 2048  # the tiny model's KV per engine block
 
 
 def run_all(ro: Rollout, on_step: Callable[[dict], None] | None) -> None:
@@ -37,7 +35,7 @@ def serve(ro: Rollout, step: str) -> dict:
         tokens = sum(len(p.tokens) for i in range(len(ro.opts.levels)) for p in ro.workload(i + 1))
         blocks = tokens // ENGINE_BLOCK_TOKENS + 64
         env = {"VLLM_CPU_KVCACHE_SPACE": str(max(int(ENGINE_ENV["VLLM_CPU_KVCACHE_SPACE"]),
-                                                 math.ceil(blocks * ENGINE_BLOCK_BYTES / 2**30) + 1))}
+                                                 math.ceil(tokens * KV_BYTES_PER_TOKEN / 2**30) + 1))}
     if step in ("host+disk", "rollback"):
         env = faults.server_env(ro.root)
     server = ro.start(step, kvtier, blocks, env)
