@@ -22,7 +22,6 @@ from typing import Any
 
 from kvtier.bench.timing import percentile
 from kvtier.rollout import client, workload
-from kvtier.integrations.vllm.tiny_model import ENGINE_BLOCKS
 from kvtier.rollout.server import MAX_MODEL_LEN, Server, embedded_command, free_port, template_command
 
 STEPS = ("reference", "baseline", "headroom", "host", "host+disk", "rollback")
@@ -70,8 +69,7 @@ class Rollout:
 
     # ---------------------------------------------------------------- servers
 
-    def start(self, name: str, kvtier: dict | None, engine_blocks: int = ENGINE_BLOCKS,
-              env: dict[str, str] | None = None) -> Server:
+    def start(self, name: str, kvtier: dict | None, engine_blocks: int, env: dict[str, str] | None = None) -> Server:
         port = free_port()
         if self.opts.command:
             command = template_command(self.opts.command, kvtier, port)
