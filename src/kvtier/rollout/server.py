@@ -101,13 +101,13 @@ class Server:
 
     def metrics(self, prefix: str = "") -> dict[str, float]:
         """/metrics samples whose name starts with `prefix`, as `name{label="v",...}` (labels sorted, vLLM's
-        `engine` and `model_name` left out)."""
+        `engine` and `model_name` left out; summed over engines)."""
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
             text = r.read().decode()
         out: dict[str, float] = {}
         for line in text.splitlines():
             m = re.match(rf"^({re.escape(prefix)}[\w:]*)(?:\{{(.*)\}})? (\S+)$", line)
-            if m and not line.startswith("#"):
+            if m and not m.group(1).endswith("_created"):  # creation timestamps, not figures
                 labels = ",".join(sorted(p for p in re.findall(r'\w+="[^"]*"', m.group(2) or "")
                                          if not p.startswith(("engine=", "model_name="))))
                 key = f"{m.group(1)}{{{labels}}}"
