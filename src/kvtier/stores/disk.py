@@ -20,7 +20,7 @@ import re
 import secrets
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -258,28 +258,27 @@ class DiskStore:
 
     def holds(self, key: bytes) -> bool:
         """Whether a file of block `key` is there (not whether it is whole: `read` checks that)."""
-        check_key(key)
-        name = file_name(key)
-        sub = self._opensubdir(name, create=False)
-        if sub is None:
-            return False
-        try:
-            os.stat(name, dir_fd=sub, follow_symlinks=False)
-            return True
-        except FileNotFoundError:
-            return False
-        finally:
-            os.close(sub)
+
+        def regular(name: str, sub: int) -> bool:
+            return stat.S_ISREG(os.stat(name, dir_fd=sub, follow_symlinks=False).st_mode)
+
+        return self._in_subdir(key, regular)
 
     def delete(self, key: bytes) -> bool:
         """Remove block `key`; True if a file was removed, False if there was none."""
+        return self._in_subdir(key, lambda name, sub: self._remove(name, sub, None))
+
+    def _in_subdir(self, key: bytes, do: Callable[[str, int], bool]) -> bool:
+        """`do(file name, its subdirectory's fd)` for block `key`; False when there is no such file."""
         check_key(key)
         name = file_name(key)
         sub = self._opensubdir(name, create=False)
         if sub is None:
             return False
         try:
-            return self._remove(name, sub, None)
+            return do(name, sub)
+        except FileNotFoundError:
+            return False
         finally:
             os.close(sub)
 
