@@ -63,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("--block-size", type=int, metavar="TOKENS",
                         help="vLLM's --block-size (its default: 16 on GPUs, 128 on the CPU backend): print the values "
                         "kvtier will use inside that engine (block_size defaults to it)")
-    tiny = sub.add_parser("tiny-model", help="write a servable tiny Llama: random weights, a tokenizer, a chat template",
+    tiny = sub.add_parser("tiny-model",
+                          help="write a servable tiny Llama: random weights, a tokenizer, a chat template",
                           description="Builds, without downloading anything, the model the tests, bench and demo "
                           "serve: a 4-layer Llama with random weights and a word-level tokenizer trained here "
                           "(deterministic), with a chat template. `vllm serve DIR` serves it on the CPU.")

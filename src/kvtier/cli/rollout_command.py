@@ -69,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
                    command=getattr(args, "server_command", None), seed=args.seed,
                    steps=tuple(s.strip() for s in getattr(args, "steps", ",".join(STEPS)).split(",") if s.strip()),
                    ttft_budget_ms=getattr(args, "ttft_budget_ms", None))
-    opts.check()
     console = readable_console(None, width=170)
     report = run_rollout(opts, console)
     for renderable in tables(report):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,7 +178,7 @@ def budget_from(baseline: list[dict]) -> float:
     return 10 * math.ceil(1.5 * max(level["ttft_ms"]["p99"] for level in baseline) / 10)
 
 
-def run(opts: Options, console: Any = None, on_step: Callable[[dict], None] | None = None) -> dict:
+def run(opts: Options, console: Any = None) -> dict:
     from rich.progress import Progress
 
     from kvtier.report import readable_console
@@ -192,5 +191,5 @@ def run(opts: Options, console: Any = None, on_step: Callable[[dict], None] | No
         ro = Rollout(opts, Path(tmp), progress)
         ro.report = {"options": {k: str(v) if isinstance(v, Path) else v for k, v in opts.__dict__.items()},
                      "budget_ms": opts.ttft_budget_ms, "steps": []}
-        steps.run_all(ro, on_step)
+        steps.run_all(ro)
         return ro.report

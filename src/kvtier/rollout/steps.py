@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 from kvtier.demo import exactness
@@ -13,7 +12,7 @@ from kvtier.rollout.run import KV_BYTES_PER_TOKEN, Rollout, budget_from, quantil
 from kvtier.rollout.server import ENGINE_ENV
 
 
-def run_all(ro: Rollout, on_step: Callable[[dict], None] | None) -> None:
+def run_all(ro: Rollout) -> None:
     if ro.opts.model is not None:
         ro.model = str(ro.opts.model)
     elif not ro.opts.command:
@@ -23,8 +22,6 @@ def run_all(ro: Rollout, on_step: Callable[[dict], None] | None) -> None:
     for step in ro.opts.steps:
         entry = headroom(ro) if step == "headroom" else serve(ro, step)
         ro.report["steps"].append(entry)
-        if on_step:
-            on_step(entry)
     conclude(ro.report)
 
 
