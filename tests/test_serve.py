@@ -142,6 +142,12 @@ def test_a_graceful_stop_writes_the_host_tier_to_disk_and_the_restarted_server_s
     server = serve(model_dir, config, tmp_path / "first.log", ["--shutdown-timeout", "30"])
     try:
         first = [complete(server, text(name)) for name in "ABCD"]
+        stored = 'kvtier_moves_total{dst="host",src="caller"}'
+        for _ in range(20):  # D's stores ship with the engine's next step: a short request makes one
+            complete(server, text("tail", words=8))
+            if server.metrics().get(stored, 0) >= 4 * (1800 // 256):
+                break
+            time.sleep(0.5)
         assert not list(root.rglob("*.kv")), "write_back: nothing evicted from host, nothing on disk yet"
     finally:
         server.stop()
