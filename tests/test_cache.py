@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvtier.cache import TieredCache
+from kvtier.config import parse_config
 from kvtier.keys import chain_keys
 from tests.conftest import SHAPE, make_config, random_blocks, same_bytes
 
@@ -225,3 +227,42 @@ def test_the_guard_in_process_turns_off_the_tier_whose_requests_break_the_budget
         cache.report("after", ttft_s=0.02)
         assert cache.guard.enabled("disk")
         assert cache.metrics.snapshot()["guard_transitions"] == {"disk/off": 1, "disk/probe": 1, "disk/on": 1}
+
+
+def _native_threads_beyond_python() -> int:
+    """Threads of this process that Python did not start: OpenMP's workers among them."""
+    return len(os.listdir("/proc/self/task")) - len(threading.enumerate())
+
+
+def test_disk_moves_start_no_openmp_team(tmp_path):
+    """A torch kernel in a mover thread would start an OpenMP team there (one more thread per team member),
+    which stalls the engine's own team on a machine with few cores: promotions, demotions and the caller
+    copies behind them must start none. Blocks of 1 MiB, large enough that torch would copy them in parallel."""
+    shape, threads = (2, 2, 8, 64, 128), torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.ones(1 << 22).add_(1)  # this thread's own team, as the engine's thread has one
+        probe_before = _native_threads_beyond_python()  # the probe sees a team that a torch kernel starts
+        prober = threading.Thread(target=lambda: torch.ones(1 << 22).add_(1))
+        prober.start()
+        prober.join()
+        assert _native_threads_beyond_python() > probe_before
+        block = 2 * 2 * 8 * 64 * 128 * 2
+        config = parse_config({"cpu_bytes_to_use": 8 * block, "block_size": 16, "secondary_tiers": [
+            {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 200 * (block + 4096)}]})
+        gen = torch.Generator().manual_seed(7)
+        with TieredCache(config, shape, torch.bfloat16, model="test") as cache:
+            before = _native_threads_beyond_python()
+            for round_ in range(4):
+                keys = chain_keys([round_ * 100_000 + i for i in range(16 * 12)], 16)
+                blocks = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(12)]
+                for i in range(0, 12, 3):  # the host holds 8: each store demotes, some make room first
+                    cache.store(keys[i : i + 3], blocks[i : i + 3], parent=keys[i - 1] if i else None)
+                    cache.flush()
+                got = cache.load(keys[:6])  # promoted from disk, then copied out in a read thread
+                assert len(got) == 6 and all(same_bytes(a, b) for a, b in zip(got, blocks))
+            moves = cache.snapshot()["moves"]
+            assert moves["host->disk"] >= 30 and moves["disk->host"] >= 12
+            assert _native_threads_beyond_python() == before
+    finally:
+        torch.set_num_threads(threads)

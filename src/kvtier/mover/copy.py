@@ -3,6 +3,11 @@
 A caller's block is one tensor, or the parts its bytes are made of, in order (an engine's per-layer pages);
 an int part is that many bytes left as they are (bytes the caller already has). Both sides of a copy always
 get the same element type, so nothing is ever converted.
+
+One block at a time (`copy_into_slot`, `copy_from_slot`) runs in the mover's threads, behind a promotion or a
+demotion; on the CPU it is a numpy copy, not a torch kernel: a torch kernel in a thread starts an OpenMP team
+of its own in it, and more OpenMP threads than cores stall the engine's team too. Batches (`copy_all`) run in
+the caller's thread, whose team the engine already has.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 
 CallerBlock = torch.Tensor | Sequence[torch.Tensor | int]
@@ -93,7 +99,10 @@ def _stream(device: torch.device) -> Any:
 def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
     """Copy `src`'s bytes over `dst`'s, bit for bit (both contiguous, the same number of bytes)."""
     d, s = _words(dst, src)
-    d.copy_(s, non_blocking=non_blocking)
+    if d.device.type == "cpu" and s.device.type == "cpu":
+        np.copyto(d.numpy(), s.numpy())  # no OpenMP team in a mover thread: see the module's docstring
+    else:
+        d.copy_(s, non_blocking=non_blocking)
 
 
 def _words(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

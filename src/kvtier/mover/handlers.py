@@ -12,8 +12,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
-
 from kvtier.directory import CALLER, Status, Step
 from kvtier.mover.copy import CallerBlock, copy_all, copy_from_slot, copy_into_slot, device_stream, regions
 from kvtier.stores.base import ObjectStore, ReadStatus, SlotStore, Stores
@@ -85,7 +83,7 @@ class SlotToObject:
         self.slab, self.store = slab, store
 
     def run(self, step: Step, io: CallerIO) -> Result:
-        self.store.write(step.key, step.parent, self.slab.slot(slot_of(step.src_slot)))
+        self.store.write(step.key, step.parent, self.slab.view(slot_of(step.src_slot)))
         return Status.OK, self.slab.payload_nbytes
 
 
@@ -97,7 +95,7 @@ class ObjectToSlot:
         self.store, self.slab, self.integrity_failure = store, slab, integrity_failure
 
     def run(self, step: Step, io: CallerIO) -> Result:
-        return _read(self.store, step.key, self.slab.slot(slot_of(step.dst_slot)), self.integrity_failure)
+        return _read(self.store, step.key, self.slab.view(slot_of(step.dst_slot)), self.integrity_failure)
 
 
 class ObjectToObject:
@@ -107,7 +105,7 @@ class ObjectToObject:
         self.src, self.dst, self.integrity_failure = src, dst, integrity_failure
 
     def run(self, step: Step, io: CallerIO) -> Result:
-        bounce = torch.empty(self.src.payload_nbytes, dtype=torch.uint8)
+        bounce = memoryview(bytearray(self.src.payload_nbytes))
         status, nbytes = _read(self.src, step.key, bounce, self.integrity_failure)
         if status is Status.OK:
             self.dst.write(step.key, step.parent, bounce)
@@ -143,7 +141,7 @@ def build_handlers(stores: Stores, put: CallerToSlot, get: SlotToCaller,
     return handlers
 
 
-def _read(store: ObjectStore, key: bytes, into: torch.Tensor, integrity_failure: Callable[[], None]) -> Result:
+def _read(store: ObjectStore, key: bytes, into: memoryview, integrity_failure: Callable[[], None]) -> Result:
     result = store.read(key, into)
     if result is ReadStatus.OK:
         return Status.OK, store.payload_nbytes

@@ -111,7 +111,7 @@ class SharedTraffic:
         tier = steps[0].dst
         store = self.stores[tier]
         start = time.perf_counter()
-        statuses = store.put_chain([(s.key, s.parent, self.slab.slot(slot_of(s.src_slot))) for s in steps], held)
+        statuses = store.put_chain([(s.key, s.parent, self.slab.view(slot_of(s.src_slot))) for s in steps], held)
         stored = sum(1 for st in statuses if st is PutStatus.STORED)
         if stored:
             each = (time.perf_counter() - start) / stored
@@ -146,7 +146,7 @@ class SharedTraffic:
         store = self.stores[tier]
         start = time.perf_counter()
         try:
-            statuses = store.get_many([s.key for s in steps], [self.slab.slot(slot_of(s.dst_slot)) for s in steps])
+            statuses = store.get_many([s.key for s in steps], [self.slab.view(slot_of(s.dst_slot)) for s in steps])
         except Exception:  # a bug, not an outage (the store turns those into misses): nothing is served
             log.exception("kvtier shared-tier fetch failed")
             statuses = [ReadStatus.MISSING] * len(steps)

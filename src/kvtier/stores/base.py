@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from kvtier.stores.buffers import Buffer
+
 
 class TierKind(enum.Enum):
     HOST = "host"
@@ -68,11 +70,14 @@ class RecoveredBlock:
 
 
 class SlotStore(Protocol):
-    """HOST: fixed-size slots of one buffer; a slot is a contiguous uint8 view of one block's payload."""
+    """HOST: fixed-size slots of one buffer; a slot is a contiguous view of one block's payload, as a uint8
+    tensor (for copies to and from the engine's tensors) or as a memoryview (for the other stores)."""
 
     payload_nbytes: int
 
     def slot(self, i: int) -> torch.Tensor: ...
+
+    def view(self, i: int) -> memoryview: ...
 
     def close(self) -> None: ...
 
@@ -82,11 +87,11 @@ class ObjectStore(Protocol):
 
     payload_nbytes: int
 
-    def write(self, key: bytes, parent: bytes | None, src: torch.Tensor) -> None:
-        """Store `src` (CPU uint8, payload_nbytes); raise OSError when the store does not have it after."""
+    def write(self, key: bytes, parent: bytes | None, src: Buffer) -> None:
+        """Store `src` (payload_nbytes); raise OSError when the store does not have it after."""
         ...
 
-    def read(self, key: bytes, into: torch.Tensor) -> ReadStatus:
+    def read(self, key: bytes, into: Buffer) -> ReadStatus:
         """Anything but OK leaves `into` undefined; a CORRUPT or FOREIGN block is removed, never served."""
         ...
 
@@ -115,12 +120,12 @@ class SharedStore(ObjectStore, Protocol):
         ...
 
     def put_chain(
-        self, items: Sequence[tuple[bytes, bytes | None, torch.Tensor]], held: set[bytes]
+        self, items: Sequence[tuple[bytes, bytes | None, Buffer]], held: set[bytes]
     ) -> list[PutStatus]:
         """Store blocks parents first, skipping those the store holds and those whose parent it lacks."""
         ...
 
-    def get_many(self, keys: Sequence[bytes], into_buffers: Sequence[torch.Tensor]) -> list[ReadStatus]: ...
+    def get_many(self, keys: Sequence[bytes], into_buffers: Sequence[Buffer]) -> list[ReadStatus]: ...
 
     def stats(self) -> dict[str, Any]: ...
 

@@ -23,7 +23,6 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import torch
 import xxhash
 
 from kvtier.layout import DISK_HEADER_NBYTES, disk_footprint, round_up
@@ -31,7 +30,8 @@ from kvtier.stores import blockformat
 from kvtier.stores.base import ReadStatus, RecoveredBlock
 from kvtier.stores.blockformat import Header, check_key, parse_header
 from kvtier.stores.claim import claim, release
-from kvtier.stores.files import DIR, DIRECT, RD, WR, aligned, buffer_of, file_name, open_private_dir, subdir, transfer
+from kvtier.stores.buffers import Buffer, aligned, byte_view
+from kvtier.stores.files import DIR, DIRECT, RD, WR, file_name, open_private_dir, subdir, transfer
 
 HEADER_NBYTES = DISK_HEADER_NBYTES  # blockformat's header, zero-padded to the O_DIRECT alignment
 class DiskStore:
@@ -144,12 +144,13 @@ class DiskStore:
                 self.direct = False
         return os.open(name, flags, 0o600, dir_fd=dir_fd), False
 
-    def write(self, key: bytes, parent: bytes | None, src: torch.Tensor) -> None:
-        """Store `src` (CPU uint8, payload_nbytes) as block `key`; atomic: temp file, then rename."""
+    def write(self, key: bytes, parent: bytes | None, src: Buffer) -> None:
+        """Store `src` (payload_nbytes: a slot's memoryview, or a CPU uint8 tensor) as block `key`; atomic: temp
+        file, then rename."""
         check_key(key)
         if parent is not None:
             check_key(parent, "parent")
-        payload = buffer_of(src, self.payload_nbytes, "src")
+        payload = byte_view(src, self.payload_nbytes, "src")
         name = file_name(key)
         sub = self._opensubdir(name, create=True)
         assert sub is not None
@@ -160,7 +161,7 @@ class DiskStore:
                 header = self._header_buf()
                 self._pack_header(header, key, parent, payload)
                 pad = memoryview(bytes(self.padded_nbytes - self.payload_nbytes))
-                if not direct or aligned(src, self.payload_nbytes):
+                if not direct or aligned(payload):
                     bufs = [header, payload, pad]  # O_DIRECT straight from the caller's (slot) buffer
                 else:
                     bounce = self._bounce()
@@ -181,13 +182,13 @@ class DiskStore:
         finally:
             os.close(sub)
 
-    def read(self, key: bytes, into: torch.Tensor) -> ReadStatus:
-        """Read block `key` into `into` (CPU uint8, payload_nbytes). Anything but OK leaves `into` undefined.
+    def read(self, key: bytes, into: Buffer) -> ReadStatus:
+        """Read block `key` into `into` (writable, payload_nbytes). Anything but OK leaves `into` undefined.
 
         A CORRUPT or FOREIGN file is removed: it can never be served.
         """
         check_key(key)
-        out = buffer_of(into, self.payload_nbytes, "into")
+        out = byte_view(into, self.payload_nbytes, "into", writable=True)
         name = file_name(key)
         sub = self._opensubdir(name, create=False)
         if sub is None:
@@ -209,7 +210,7 @@ class DiskStore:
                 elif st.st_size != self.footprint:  # header only, to tell foreign from torn
                     status = self._classify(self._parse_header(self._read_header(fd, direct)), name, st.st_size)
                 else:
-                    status = self._read_verified(fd, direct, name, into, out)
+                    status = self._read_verified(fd, direct, name, out)
             finally:
                 os.close(fd)
             if status.is_integrity_failure:
@@ -223,9 +224,9 @@ class DiskStore:
         header = self._header_buf()
         return header[: os.preadv(fd, [header], 0)] if direct else memoryview(os.pread(fd, HEADER_NBYTES, 0))
 
-    def _read_verified(self, fd: int, direct: bool, name: str, into: torch.Tensor, out: memoryview) -> ReadStatus:
+    def _read_verified(self, fd: int, direct: bool, name: str, out: memoryview) -> ReadStatus:
         """Read a file of the right size: header, then payload checksum; straight into `into` when we can."""
-        if direct and not aligned(into, self.payload_nbytes):
+        if direct and not aligned(out):
             bounce = self._bounce()
             got, want = transfer(os.preadv, fd, [bounce]), self.footprint
             header, payload = bounce[:HEADER_NBYTES], bounce[HEADER_NBYTES : HEADER_NBYTES + self.payload_nbytes]

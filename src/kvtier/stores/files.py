@@ -12,10 +12,7 @@ import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
 import xxhash
-
-from kvtier.layout import ALIGN
 
 _LONG_KEY = 96  # longer keys get a hashed file name: 2 * 128 hex chars would pass NAME_MAX (255)
 DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -32,20 +29,6 @@ def file_name(key: bytes) -> str:
 
 def subdir(name: str) -> str:
     return name[:2] if name[0] != "h" else name[1:3]
-
-
-def buffer_of(t: torch.Tensor, nbytes: int, what: str) -> memoryview:
-    """A zero-copy byte view of a CPU uint8 tensor of exactly `nbytes`."""
-    if t.device.type != "cpu" or t.dtype != torch.uint8 or not t.is_contiguous() or t.numel() != nbytes:
-        raise ValueError(
-            f"{what} must be a contiguous CPU uint8 tensor of {nbytes} bytes, "
-            f"got {t.dtype} {tuple(t.shape)} on {t.device}"
-        )
-    return memoryview(t.numpy()).cast("B")
-
-
-def aligned(t: torch.Tensor, nbytes: int) -> bool:
-    return t.data_ptr() % ALIGN == 0 and nbytes % ALIGN == 0
 
 
 def transfer(fn: Callable[[int, list[memoryview], int], int], fd: int, bufs: list[memoryview], offset: int = 0) -> int:

@@ -169,6 +169,15 @@ class HostSlab:
         self._check_slots((i,))
         return self._rows[i]
 
+    def view(self, i: int) -> memoryview:
+        """Slot i's payload bytes as a memoryview (no copy): what the disk and shared stores read and write, with
+        no torch call in the mover's threads (`kvtier.stores.buffers`)."""
+        self._check_open()
+        self._check_slots((i,))
+        assert self._mmap is not None
+        start = i * self.slot_nbytes
+        return memoryview(self._mmap)[start : start + self.payload_nbytes]
+
     def write(self, slots: Sequence[int], src: torch.Tensor, wait: bool = True) -> None:
         """Copy len(slots) blocks from `src` (any dtype/device, contiguous) into `slots`, bit for bit.
 

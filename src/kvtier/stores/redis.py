@@ -47,7 +47,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
-import torch
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -57,9 +56,9 @@ from redis.retry import Retry
 from kvtier.stores import blockformat
 from kvtier.stores.base import PutStatus, ReadStatus
 from kvtier.stores.breaker import BreakerState, CircuitBreaker
+from kvtier.stores.buffers import Buffer, byte_view
 from kvtier.stores.redis_scripts import COMMIT, DROP, TOUCH
 
-Buffer = torch.Tensor | memoryview | bytes | bytearray
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError)  # the server is not answering: breaker failures
 _PENDING_TTL_MS = 600_000  # a temporary value left by a failed commit expires on its own
 
@@ -85,21 +84,6 @@ def _bulk(arg: bytes) -> bytes:
 def _command(*args: bytes) -> bytes:
     """One command in RESP, for small arguments."""
     return b"*%d\r\n" % len(args) + b"".join(_bulk(a) for a in args)
-
-
-def _byte_view(buf: Buffer, nbytes: int, what: str, writable: bool = False) -> memoryview:
-    """A zero-copy byte view of exactly `nbytes` (a CPU uint8 tensor, as DiskStore takes, or a buffer)."""
-    if isinstance(buf, torch.Tensor):
-        if buf.device.type != "cpu" or buf.dtype != torch.uint8 or not buf.is_contiguous() or buf.numel() != nbytes:
-            raise ValueError(
-                f"{what} must be a contiguous CPU uint8 tensor of {nbytes} bytes, "
-                f"got {buf.dtype} {tuple(buf.shape)} on {buf.device}"
-            )
-        return memoryview(buf.numpy()).cast("B")
-    view = memoryview(buf).cast("B")
-    if view.nbytes != nbytes or (writable and view.readonly):
-        raise ValueError(f"{what} must be a {'writable ' if writable else ''}buffer of {nbytes} bytes")
-    return view
 
 
 class RedisStore:
@@ -174,7 +158,7 @@ class RedisStore:
         small = _command(b"MULTI")  # RESP between two payloads goes out as one chunk: one send per gap
         commit_args = [b"EVAL", COMMIT, b"0", self._prefix, b"%d" % self.max_bytes]
         for i, (key, parent, payload) in enumerate(items):
-            view = _byte_view(payload, self.payload_nbytes, "payload")
+            view = byte_view(payload, self.payload_nbytes, "payload")
             header = bytearray(blockformat.HEADER_NBYTES)
             mac = blockformat.mac_of(self._auth, self._ns, key, parent, view) if self._auth else blockformat.NO_MAC
             blockformat.pack_header(header, self._ns, key, parent, self.payload_nbytes,
@@ -238,7 +222,7 @@ class RedisStore:
             raise ValueError(f"{len(keys)} keys but {len(into_buffers)} buffers")
         if not keys:
             return []
-        outs = [_byte_view(b, self.payload_nbytes, "into", writable=True) for b in into_buffers]
+        outs = [byte_view(b, self.payload_nbytes, "into", writable=True) for b in into_buffers]
         chunks = [_command(b"GET", self._value_key(k)) for k in keys]
         chunks.append(_command(b"EVAL", TOUCH, b"0", self._prefix, *(self._id(k) for k in keys)))
         try:

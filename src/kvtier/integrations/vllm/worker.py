@@ -247,7 +247,7 @@ class WorkerSide:
                     log.warning("kvtier: shutdown: flush stopped after %.1f s (shutdown_flush_s)", budget_s)
                     break
                 if not disk.holds(key):
-                    disk.write(key, parent, self.stores.host.slot(slot))
+                    disk.write(key, parent, self.stores.host.view(slot))
                     written += 1
         except Exception as exc:  # a failing disk stops the flush, never the shutdown
             log.warning("kvtier: shutdown: flush stopped: %s", exc)
