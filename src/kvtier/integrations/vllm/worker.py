@@ -31,7 +31,7 @@ from kvtier.wiring import build_mover, build_stores
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.005  # longest an idle engine step waits for a store, so a new request is not held back long
+IDLE_WAIT_S = 0.005  # longest an idle step waits for a store or a load: a new request is not held back long
 
 
 def engine_pages(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[torch.Tensor]:
@@ -69,7 +69,8 @@ class WorkerSide:
         self.stores: Stores | None = None
         self.metrics = Metrics(None, geo.block_tokens, keep_observed=True)
         self._lock = threading.Lock()
-        self._sent = threading.Condition(self._lock)  # a held request's blocks are all copied out
+        self._sent = threading.Condition(self._lock)  # a held request's blocks are all copied out, or a load is done
+        self._loads_running = 0  # asynchronous loads not yet reported
         self._completions: dict[int, Status] = {}
         self._transfers: list[tuple[dict[str, int], float]] = []  # completed loads: (blocks per tier, seconds)
         self._sending: set[str] = set()
@@ -126,6 +127,8 @@ class WorkerSide:
         if job.sync:
             self._run_load(job, ready)
         else:
+            with self._lock:
+                self._loads_running += 1
             self._loading.submit(self._run_load, job, ready)
 
     def _run_load(self, job: LoadJob, ready: Any) -> None:
@@ -146,6 +149,8 @@ class WorkerSide:
             self._load_errors |= failed | set(job.unavailable)
             if not job.sync:  # vLLM waits for an asynchronous load to be reported; a synchronous one it ran
                 self._recving.add(job.request_id)
+                self._loads_running -= 1
+                self._sent.notify_all()
 
     def _parts(self, engine_blocks: EngineBlocks) -> CallerBlock:
         parts: list[torch.Tensor | int] = []
@@ -172,11 +177,16 @@ class WorkerSide:
                             break
 
     def wait_if_idle(self, meta: KVTierMetadata) -> None:
-        """An idle engine step (requests waiting for blocks our stores hold) would loop at once, holding the
-        GIL our copy threads need: on such a step, wait a moment for a held request to be released instead."""
+        """An idle engine step (requests waiting for blocks our stores hold, or for our loads) would loop at once,
+        holding the GIL our copy threads need and waking the engine's OpenMP team: on such a step, wait a moment
+        for a held request to be released or a load to finish instead."""
         if meta.idle:
             with self._sent:
-                self._sent.wait_for(lambda: self._sending or not self._puts_left, timeout=IDLE_WAIT_S)
+                self._sent.wait_for(self._news, timeout=IDLE_WAIT_S)
+
+    def _news(self) -> bool:
+        """Something to report (a request sent or received), or nothing in flight to wait for."""
+        return bool(self._sending or self._recving) or not (self._puts_left or self._loads_running)
 
     # ---------------------------------------------------------------- what vLLM collects after each step
 
