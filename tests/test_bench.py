@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 from kvtier.cli import main
 
@@ -14,7 +15,11 @@ def test_bench_quick_writes_every_figure(tmp_path):
     for name in ("host_vs_copy", "disk_write_vs_raw", "disk_read_vs_raw", "lookup_keys_per_s"):
         assert isinstance(result[name], (int, float)) and result[name] > 0, name
     assert len(result["host_vs_copy_by_size"]) == 3  # 256 KiB, 1 MiB, 4 MiB blocks
-    assert set(result["targets"]) == {"host_vs_copy", "disk_write_vs_raw", "disk_read_vs_raw", "lookup_keys_per_s"}
+    assert set(result["targets"]) == {"host_vs_copy", "disk_write_vs_raw", "disk_read_vs_raw", "lookup_keys_per_s",
+                                      "redis_vs_raw"}
+    assert result["redis_vs_raw"] == result["redis"]["min_ratio"] == min(
+        min(statistics.median(c["put_ratio_runs"]), statistics.median(c["get_ratio_runs"]))
+        for c in result["redis"]["redis_vs_raw"].values())
     assert result["sim"]["mrc_equals_libcachesim"]  # the timed curve is the right one
     assert result["sim"]["replay_lru_hit_ratio"] == result["sim"]["libcachesim_lru_hit_ratio"]
     assert set(result["redis"]["redis_vs_raw"]) == {"256KiB", "1MiB", "4MiB"}
