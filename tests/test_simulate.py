@@ -77,6 +77,31 @@ def test_simulator_and_tiered_cache_report_identical_hits(tmp_path, extra):
     assert min(expected["engine"], expected["host"], expected["disk"], expected["miss"]) > 0  # every tier served
 
 
+def test_configurations_replayed_in_processes_give_what_one_process_gives():
+    """`simulate` replays configurations in processes of their own: the same results, in the same order, and
+    one progress call per request of each configuration."""
+    workload = replace(GENERATORS["shared"], requests=120, block_tokens=16, system_blocks=4, document_blocks=6,
+                       documents=12, unique_blocks=6, seed=9)
+    requests = generate_trace(workload)
+    dep = Deployment(TINY, block_tokens=16, engine_kv_bytes=8 * PAYLOAD, instances=1)
+    disk = {"type": "fs", "root_dir": "x", "max_bytes": 60 * (PAYLOAD + 4096)}
+    configs = [SimConfig("engine only", None),
+               SimConfig("+ host", {"cpu_bytes_to_use": 12 * PAYLOAD, "block_size": 16}),
+               SimConfig("+ host + disk", {"cpu_bytes_to_use": 12 * PAYLOAD, "block_size": 16,
+                                           "secondary_tiers": [disk]})]
+    calls = [0]
+
+    def count() -> None:
+        calls[0] += 1
+
+    alone = simulate(requests, configs, dep, workers=1)
+    side_by_side = simulate(requests, configs, dep, on_request=count, workers=3)
+    assert [r.as_dict() for r in side_by_side] == [r.as_dict() for r in alone]
+    assert all((a.ttft_s == b.ttft_s).all() for a, b in zip(alone, side_by_side))
+    assert calls[0] == len(requests) * len(configs)
+    assert alone[2].hit_blocks["disk"] > 0  # the configurations differ: a mix-up would show
+
+
 # ---------------------------------------------------------------- the virtual clock and the cost model
 
 

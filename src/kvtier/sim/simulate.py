@@ -37,6 +37,7 @@ from kvtier.policies.base import DEFAULT_PRIORITY
 from kvtier.sim.configs import SimConfig
 from kvtier.sim.cost import CostModel
 from kvtier.sim.engine import EngineCache
+from kvtier.sim.parallel import map_configs
 from kvtier.sim.replay import complete_instantly
 from kvtier.sizing import tier_specs
 from kvtier.stores.base import TierKind
@@ -153,14 +154,18 @@ class _Links:
 
 def simulate(
     requests: Sequence[TraceRequest], configs: Sequence[SimConfig], deployment: Deployment,
-    on_request: Callable[[], None] | None = None, guard: GuardConfig | None = None,
+    on_request: Callable[[], None] | None = None, guard: GuardConfig | None = None, workers: int | None = None,
 ) -> list[SimResult]:
     """One result per configuration, all from the same requests (in arrival order) and deployment. `guard`:
-    the guard of every configuration with tiers (else each runs its own config's, if it has one)."""
+    the guard of every configuration with tiers (else each runs its own config's, if it has one). `workers`:
+    processes replaying configurations side by side (default: one per core; 1: all in this process)."""
     requests = sorted(requests, key=lambda r: r.timestamp)
     keys = [[b.to_bytes(8, "little") for b in r.blocks] for r in requests]
     with tempfile.TemporaryDirectory(prefix="kvtier-sim-") as scratch:
-        return [_run(requests, keys, c, deployment, Path(scratch), on_request, guard) for c in configs]
+        def replay(config: SimConfig, tick: Callable[[], None] | None) -> SimResult:
+            return _run(requests, keys, config, deployment, Path(scratch), tick, guard)
+
+        return map_configs(replay, configs, on_request, workers)
 
 
 def _run(
