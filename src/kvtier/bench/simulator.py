@@ -8,6 +8,8 @@
 - replay_*_accesses_per_s   `fast_replay` through kvtier's own LRU, ARC and S3-FIFO policy objects, beside
                             libCacheSim's speed on the same sequence and capacity: its C loop, and a Python
                             loop calling its `get` per access (the same harness cost as ours).
+- simulate_command_s        `kvtier simulate TRACE --json` as a user runs it (its 7 built-in configurations,
+                            a fresh process, parsing included), once, with each configuration's token hit ratio.
 
 Ours and the baseline alternate so that they share the machine's noise; figures are medians over the
 repeats, and ratios are medians of the per-repeat ratios. Trace parsing is timed apart (`trace_parse_s`):
@@ -16,8 +18,12 @@ libCacheSim gets its trace already converted, we get ours already parsed.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from functools import partial
@@ -82,6 +88,8 @@ def run(quick: bool = False, trace: str | Path | None = None) -> dict[str, Any]:
             result |= _mrc_case(requests, oracle, repeats)
             replay_oracle = _Oracle(libcachesim, replay_blocks, distinct, Path(tmp) / "replay")
             result |= _replay_case(replay_requests, replay_oracle, capacity, repeats)
+        if not quick:
+            result |= _simulate_command(path, Path(tmp) / "simulate.json")
     result["replay_capacity_blocks"] = capacity
     result["replay_accesses"] = len(replay_blocks)
     result["targets_met"] = {
@@ -90,6 +98,16 @@ def run(quick: bool = False, trace: str | Path | None = None) -> dict[str, Any]:
         "replay_lru_accesses_per_s": result["replay_lru_accesses_per_s"] >= TARGETS["replay_lru_accesses_per_s"],
     }
     return result
+
+
+def _simulate_command(trace: Path, out: Path) -> dict[str, Any]:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "kvtier.cli", "simulate", str(trace), "--json", str(out)], check=True,
+                   capture_output=True)
+    seconds = time.perf_counter() - started
+    report = json.loads(out.read_text())
+    return {"simulate_command_s": seconds, "simulate_workers": min(len(report["results"]), os.cpu_count() or 1),
+            "simulate_hit_ratios": {r["name"]: r["hit_ratio_tokens"] for r in report["results"]}}
 
 
 class _Oracle:
