@@ -107,6 +107,30 @@ def test_damaged_or_foreign_values_are_misses_and_removed(redis_server):
     check_invariants(client, store)
 
 
+
+def test_reads_land_in_the_buffers_and_odd_replies_keep_the_connection_in_step(redis_server):
+    """Reads take each value off the socket into its buffer (`kvtier.stores.resp`): a nil, an error reply in a
+    GET's place (a key of another type) and a value of another size are misses, and the connection stays usable:
+    the good blocks around them arrive whole, on the same single pooled connection."""
+    store = make_store(redis_server, pool_size=1)
+    client = redis_server.client()
+    keys, data = chain(3), payloads(4, seed=3)
+    alone = chain(1, "b")[0]  # a chain of its own: removing keys[2] (and its descendants) leaves it
+    assert store.put_many(items_of(keys, data[:3]) + [(alone, None, data[3])]) == [PutStatus.STORED] * 4
+    missing = chain(1, "never")[0]
+    client.delete(value_key(NS, keys[1]))
+    client.rpush(value_key(NS, keys[1]), b"not a string")  # GET answers -WRONGTYPE
+    client.append(value_key(NS, keys[2]), b"longer")  # a value of another size
+    for _ in range(2):  # the second round proves the connection is still in step
+        into = [torch.zeros(PAYLOAD, dtype=torch.uint8) for _ in range(5)]
+        statuses = store.get_many([keys[0], keys[1], missing, keys[2], alone], into)
+        assert statuses[0] is ReadStatus.OK and same_bytes(into[0], data[0])
+        assert statuses[1] is ReadStatus.MISSING and statuses[2] is ReadStatus.MISSING
+        assert statuses[3] in (ReadStatus.CORRUPT, ReadStatus.MISSING)  # CORRUPT, then removed
+        assert statuses[4] is ReadStatus.OK and same_bytes(into[4], data[3])
+        assert not into[1].any() and not into[2].any() and not into[3].any()
+
+
 # -- chain invariant and capacity -----------------------------------------------------------------------
 
 

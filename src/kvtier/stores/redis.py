@@ -24,7 +24,9 @@ block in the tier has its whole prefix in the tier: the chain invariant holds fo
 A put is one round trip: MULTI, SET of each value under a temporary name (the payload is sent straight from
 the caller's tensor, never copied into one buffer with the header), then the commit script, EXEC. The script
 evicts to make room, then renames the value into place or drops it. Inside MULTI no other client sees the
-temporary values, so no observer ever sees more than max_bytes of values under the prefix.
+temporary values, so no observer ever sees more than max_bytes of values under the prefix. A read is one round
+trip too (the GETs and the touch script), its values read off the socket straight into the caller's buffers
+(`kvtier.stores.resp`).
 
 Give Redis a `maxmemory` a few percent above the sum of its tiers' max_bytes (per-key overhead) and
 `maxmemory-policy noeviction` (or a `volatile-*` one: our blocks have no TTL): Redis then never drops our
@@ -43,9 +45,10 @@ import re
 import secrets
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -58,6 +61,7 @@ from kvtier.stores.base import PutStatus, ReadStatus
 from kvtier.stores.breaker import BreakerState, CircuitBreaker
 from kvtier.stores.buffers import Buffer, byte_view
 from kvtier.stores.redis_scripts import COMMIT, DROP, TOUCH
+from kvtier.stores.resp import Replies
 
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError)  # the server is not answering: breaker failures
 _PENDING_TTL_MS = 600_000  # a temporary value left by a failed commit expires on its own
@@ -223,35 +227,51 @@ class RedisStore:
         if not keys:
             return []
         outs = [byte_view(b, self.payload_nbytes, "into", writable=True) for b in into_buffers]
+        headers = [memoryview(bytearray(blockformat.HEADER_NBYTES)) for _ in keys]
         chunks = [_command(b"GET", self._value_key(k)) for k in keys]
         chunks.append(_command(b"EVAL", TOUCH, b"0", self._prefix, *(self._id(k) for k in keys)))
+
+        def read(conn: Any) -> list[Any]:  # each block's bytes straight into its buffer (kvtier.stores.resp)
+            replies = Replies(conn._sock)
+            got = [replies.bulk_into(header, out) for header, out in zip(headers, outs)]
+            replies.skip()
+            return got
+
         try:
-            replies = self._exchange([b"".join(chunks)], len(keys) + 1)
+            replies = self._exchange([b"".join(chunks)], read=read)
         except _Skipped:
             self._count("get_skipped", len(keys))
             return [ReadStatus.MISSING] * len(keys)
-        statuses = [self._verify(k, v, out) for k, v, out in zip(keys, replies, outs)]
+        statuses = [self._judge(*args) for args in zip(keys, replies, headers, outs)]
         bad = [k for k, s in zip(keys, statuses) if s.is_integrity_failure]
         if bad:
             self._count("integrity_failures", len(bad))
             self.delete_many(bad)
         return self._count_all(statuses, "get")
 
-    def _verify(self, key: bytes, value: Any, out: memoryview) -> ReadStatus:
-        if not isinstance(value, bytes):  # nil, or an error reply in its place
+    def _judge(self, key: bytes, got: bytes | bool | None, header: memoryview, out: memoryview) -> ReadStatus:
+        """A GET's reply: True, a value of a block's size already in `header` and `out`; bytes, a value of another
+        size; None, nil or an error. Only an OK read leaves bytes in `out`: what a bad value wrote is zeroed."""
+        if got is None:
             return ReadStatus.MISSING
-        view = memoryview(value)
-        header = blockformat.parse_header(view[: blockformat.HEADER_NBYTES])
-        status = blockformat.classify(header, self._ns, key.__eq__, self.payload_nbytes,
-                                      len(view) == self.value_nbytes)  # fmt: skip
+        if got is True:
+            status = self._verify(key, header, out, size_ok=True)
+            if status is not ReadStatus.OK:
+                np.frombuffer(out, dtype=np.uint8)[:] = 0
+            return status
+        value = memoryview(got)
+        return self._verify(key, value[: blockformat.HEADER_NBYTES], value[blockformat.HEADER_NBYTES :],
+                            size_ok=len(value) == self.value_nbytes)
+
+    def _verify(self, key: bytes, header: memoryview, payload: memoryview, size_ok: bool) -> ReadStatus:
+        parsed = blockformat.parse_header(header)
+        status = blockformat.classify(parsed, self._ns, key.__eq__, self.payload_nbytes, size_ok)
         if status is not ReadStatus.OK:
             return status
-        payload = view[blockformat.HEADER_NBYTES :]
-        if header is None or not blockformat.payload_ok(header, payload):
+        if parsed is None or not blockformat.payload_ok(parsed, payload):
             return ReadStatus.CORRUPT
-        if not blockformat.authentic(header, payload, self._auth):
+        if not blockformat.authentic(parsed, payload, self._auth):
             return ReadStatus.UNAUTHENTICATED
-        out[:] = payload
         return ReadStatus.OK
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -320,10 +340,11 @@ class RedisStore:
 
     # -- plumbing ---------------------------------------------------------------------------------------
 
-    def _exchange(self, chunks: list[bytes | memoryview], n_replies: int) -> list[Any]:
+    def _exchange(self, chunks: list[bytes | memoryview], n_replies: int = 0,
+                  read: Callable[[Any], list[Any]] | None = None) -> list[Any]:
         """Send pre-packed commands on one pooled connection and read `n_replies` replies (an error reply
-        comes back as a ResponseError in its place), through the breaker. Raises _Skipped when Redis was not
-        tried or did not answer."""
+        comes back as a ResponseError in its place), or what `read(connection)` reads, through the breaker.
+        Raises _Skipped when Redis was not tried or did not answer."""
         if not self.breaker.allow():
             raise _Skipped(by_breaker=True)
         try:
@@ -333,7 +354,7 @@ class RedisStore:
             raise _Skipped(by_breaker=False) from None
         try:
             conn.send_packed_command(chunks, check_health=False)
-            replies = []
+            replies = [] if read is None else read(conn)
             for _ in range(n_replies):
                 try:
                     replies.append(conn.read_response())

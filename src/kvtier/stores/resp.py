@@ -1,0 +1,68 @@
+"""Redis replies read straight off the socket, a block's bytes into the buffer that is waiting for them.
+
+redis-py (with hiredis or without) builds every bulk reply as a bytes object, and the tier then copied it into
+a host slot: two copies of every block read. Here a value of the size a block has goes header first into a
+small buffer and payload straight into the slot (one kernel copy, no Python object); anything else (nil, an
+error, a value of another size) is read whole, as redis-py would, and judged by the caller.
+"""
+
+from __future__ import annotations
+
+import socket
+
+_CHUNK = 65536
+
+
+class Replies:
+    """RESP2 replies on one connected socket, read in order; only the kinds the tier's reads get back."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.pending = bytearray()  # read past the last reply's end: the next reply's first bytes
+
+    def bulk_into(self, header: memoryview, payload: memoryview) -> bytes | bool | None:
+        """One bulk-string reply: True when its value was exactly `header` + `payload` bytes long and now fills
+        them; else the value itself (bytes), None for nil or an error reply."""
+        line = self._line()
+        if line[:1] != b"$":
+            return None  # an error reply (-...) in its place, or nothing a GET returns
+        length = int(line[1:])
+        if length < 0:
+            return None
+        if length != len(header) + len(payload):
+            value = bytearray(length + 2)
+            self._exact(memoryview(value))
+            return bytes(value[:length])
+        self._exact(header)
+        self._exact(payload)
+        self._exact(memoryview(bytearray(2)))  # the value's CRLF
+        return True
+
+    def skip(self) -> None:
+        """One integer, status or error reply (the TOUCH script's), read and dropped."""
+        line = self._line()
+        if line[:1] == b"$" and int(line[1:]) >= 0:
+            self._exact(memoryview(bytearray(int(line[1:]) + 2)))
+
+    def _line(self) -> bytes:
+        while (end := self.pending.find(b"\r\n")) < 0:
+            self._fill()
+        line = bytes(self.pending[:end])
+        del self.pending[: end + 2]
+        return line
+
+    def _exact(self, into: memoryview) -> None:
+        taken = min(len(self.pending), len(into))
+        into[:taken] = self.pending[:taken]
+        del self.pending[:taken]
+        while taken < len(into):
+            n = self.sock.recv_into(into[taken:])
+            if n == 0:
+                raise ConnectionError("redis closed the connection mid-reply")
+            taken += n
+
+    def _fill(self) -> None:
+        chunk = self.sock.recv(_CHUNK)
+        if not chunk:
+            raise ConnectionError("redis closed the connection mid-reply")
+        self.pending += chunk
