@@ -22,6 +22,7 @@ import torch
 
 CallerBlock = torch.Tensor | Sequence[torch.Tensor | int]
 _local = threading.local()  # each mover thread's copy streams
+_GRAIN = 32768  # at::internal::GRAIN_SIZE: torch copies in parallel only above this many elements
 
 
 def copy_into_slot(slot: torch.Tensor, block: CallerBlock, non_blocking: bool = False) -> None:
@@ -106,14 +107,17 @@ def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False
 
 
 def _words(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both sides as the same element type: 8-byte words where both allow it (torch copies words faster
-    than the same bytes; see benchmarks/README.md), else bytes."""
+    """Both sides as the same element type: 8-byte words where both allow it and the copy is large (torch copies
+    words faster than the same bytes), else bytes: torch splits a copy across its threads only above
+    `_GRAIN` elements, and a block too small to split as words is split as bytes (benchmarks/README.md)."""
     if dst.dtype is src.dtype is torch.uint8 and dst.dim() == src.dim() == 1:  # engine pages and slot regions
         if dst.numel() != src.numel() or not (dst.is_contiguous() and src.is_contiguous()):
             raise ValueError(f"block part of {src.numel()} bytes for {dst.numel()} (or not contiguous)")
         return dst, src
     try:
         d, s = dst.view(-1).view(torch.int64), src.view(-1).view(torch.int64)
+        if d.numel() <= _GRAIN:
+            d, s = _flat(dst), _flat(src)
     except RuntimeError:  # a size or offset that is not a multiple of 8 bytes (or not contiguous: raises below)
         d, s = _flat(dst), _flat(src)
     if d.numel() != s.numel():
