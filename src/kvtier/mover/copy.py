@@ -110,24 +110,22 @@ def _words(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     """Both sides as the same element type: 8-byte words where both allow it and the copy is large (torch copies
     words faster than the same bytes), else bytes: torch splits a copy across its threads only above
     `_GRAIN` elements, and a block too small to split as words is split as bytes (benchmarks/README.md)."""
-    if dst.dtype is src.dtype is torch.uint8 and dst.dim() == src.dim() == 1:  # engine pages and slot regions
-        if dst.numel() != src.numel() or not (dst.is_contiguous() and src.is_contiguous()):
-            raise ValueError(f"block part of {src.numel()} bytes for {dst.numel()} (or not contiguous)")
-        return dst, src
-    try:
-        d, s = dst.view(-1).view(torch.int64), src.view(-1).view(torch.int64)
-        if d.numel() <= _GRAIN:
-            d, s = _flat(dst), _flat(src)
-    except RuntimeError:  # a size or offset that is not a multiple of 8 bytes (or not contiguous: raises below)
-        d, s = _flat(dst), _flat(src)
-    if d.numel() != s.numel():
-        raise ValueError(f"block part of {s.numel() * s.element_size()} bytes for {d.numel() * d.element_size()}")
+    nbytes = src.numel() * src.element_size()
+    if nbytes > 8 * _GRAIN and nbytes % 8 == 0:
+        try:
+            d, s = _as(dst, torch.int64), _as(src, torch.int64)
+        except RuntimeError:  # an offset that is not a multiple of 8 bytes (or not contiguous: raises below)
+            d, s = _as(dst, torch.uint8), _as(src, torch.uint8)
+    else:
+        d, s = _as(dst, torch.uint8), _as(src, torch.uint8)
+    if d.numel() != s.numel() or not (d.is_contiguous() and s.is_contiguous()):
+        raise ValueError(f"block part of {nbytes} bytes for {dst.numel() * dst.element_size()} (or not contiguous)")
     return d, s
 
 
-def _flat(block: torch.Tensor) -> torch.Tensor:
-    """A block's bytes as one flat uint8 view (no copy; never a dtype conversion)."""
-    return block.view(-1).view(torch.uint8)
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t`'s bytes as one flat view of `dtype` (no copy; never a conversion)."""
+    return t if t.dtype is dtype and t.dim() == 1 else t.view(-1).view(dtype)
 
 
 def _first_tensor(blocks: Sequence[CallerBlock] | None) -> torch.Tensor | None:
