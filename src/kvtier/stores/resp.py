@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 
-_CHUNK = 65536
+_LINE_READ = 4096  # a reply's first line is short: read little past it, so a block's bytes mostly land in place
 
 
 class Replies:
@@ -35,7 +35,8 @@ class Replies:
             return bytes(value[:length])
         self._exact(header)
         self._exact(payload)
-        self._exact(memoryview(bytearray(2)))  # the value's CRLF
+        if self._line():  # the value's CRLF (read with the next reply's first line)
+            raise ConnectionError("redis reply out of step: no CRLF after a value")
         return True
 
     def skip(self) -> None:
@@ -53,8 +54,10 @@ class Replies:
 
     def _exact(self, into: memoryview) -> None:
         taken = min(len(self.pending), len(into))
-        into[:taken] = self.pending[:taken]
-        del self.pending[:taken]
+        if taken:
+            with memoryview(self.pending) as pending:
+                into[:taken] = pending[:taken]
+            del self.pending[:taken]
         while taken < len(into):
             n = self.sock.recv_into(into[taken:])
             if n == 0:
@@ -62,7 +65,7 @@ class Replies:
             taken += n
 
     def _fill(self) -> None:
-        chunk = self.sock.recv(_CHUNK)
+        chunk = self.sock.recv(_LINE_READ)
         if not chunk:
             raise ConnectionError("redis closed the connection mid-reply")
         self.pending += chunk
