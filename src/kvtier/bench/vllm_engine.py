@@ -162,8 +162,9 @@ def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
                              for r in no_reuse],
         "ttft_ms": {name: {k: 1e3 * v for k, v in m.items() if k != "restored_cached"} for name, m in med.items()},
         "restored_cached_tokens": {name: r["restored_cached"] for name, r in runs.items()},
-        "targets": {"ttft_host_vs_recompute": 0.3, "ttft_disk_vs_recompute": 0.5, "ttft_host_vs_engine_hit": 1.5,
-                    "p99_ttft_no_reuse_on_vs_off": 1.05, "ttft_slow_disk_auto_vs_recompute": 1.05},
+        "targets": {"ttft_host_vs_recompute": 0.3, "ttft_disk_vs_recompute": 0.3, "ttft_host_vs_engine_hit": 1.2,
+                    "p99_ttft_no_reuse_on_vs_off": 1.03, "p99_ttft_no_reuse_disk_on_vs_off": 1.05,
+                    "ttft_slow_disk_auto_vs_recompute": 1.05},
         "prompt_tokens": PROMPT, "repetitions": REPS, "unique_prompts": UNIQUE, "no_reuse_rounds": ROUNDS,
     }
     table = Table(title=f"kvtier on vLLM (CPU, tiny model): TTFT ratios, medians of {REPS} prompts of {PROMPT} tokens")
@@ -172,9 +173,8 @@ def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
     for name, target in result["targets"].items():
         ok = result[name] <= target
         table.add_row(name, f"{result[name]:.3f}", f"≤ {target}", "ok" if ok else "MISSED")
-    disk = "p99_ttft_no_reuse_disk_on_vs_off"  # not a target: what adding the disk tier costs unique traffic here
-    for name in (disk, "ttft_slow_disk_always_vs_recompute"):  # not targets: what a slow tier costs without a guard
-        table.add_row(name, f"{result[name]:.3f}", "—", "reported")
+    name = "ttft_slow_disk_always_vs_recompute"  # not a target: what a slow tier costs without the decision
+    table.add_row(name, f"{result[name]:.3f}", "—", "reported")
     console.print(table)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
