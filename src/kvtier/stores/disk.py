@@ -225,7 +225,7 @@ class DiskStore:
         return header[: os.preadv(fd, [header], 0)] if direct else memoryview(os.pread(fd, HEADER_NBYTES, 0))
 
     def _read_verified(self, fd: int, direct: bool, name: str, out: memoryview) -> ReadStatus:
-        """Read a file of the right size: header, then payload checksum; straight into `into` when we can."""
+        """Read a file of the right size: header, then payload checksum; straight into `out` when we can."""
         if direct and not aligned(out):
             bounce = self._bounce()
             got, want = transfer(os.preadv, fd, [bounce]), self.footprint

@@ -90,6 +90,17 @@ def _command(*args: bytes) -> bytes:
     return b"*%d\r\n" % len(args) + b"".join(_bulk(a) for a in args)
 
 
+def _responses(conn: Any, n: int) -> list[Any]:
+    """`n` replies parsed by redis-py; an error reply comes back as a ResponseError in its place."""
+    replies: list[Any] = []
+    for _ in range(n):
+        try:
+            replies.append(conn.read_response())
+        except ResponseError as e:  # the reply was read whole: the connection is still in step
+            replies.append(e)
+    return replies
+
+
 class RedisStore:
     """Blocks of one namespace in a Redis shared by many engines. Every method takes a batch and costs one
     round trip (a read that finds damaged values, two), and is safe to call from many mover threads at once:
@@ -238,7 +249,7 @@ class RedisStore:
             return got
 
         try:
-            replies = self._exchange([b"".join(chunks)], read=read)
+            replies = self._exchange([b"".join(chunks)], read)
         except _Skipped:
             self._count("get_skipped", len(keys))
             return [ReadStatus.MISSING] * len(keys)
@@ -340,11 +351,10 @@ class RedisStore:
 
     # -- plumbing ---------------------------------------------------------------------------------------
 
-    def _exchange(self, chunks: list[bytes | memoryview], n_replies: int = 0,
-                  read: Callable[[Any], list[Any]] | None = None) -> list[Any]:
-        """Send pre-packed commands on one pooled connection and read `n_replies` replies (an error reply
-        comes back as a ResponseError in its place), or what `read(connection)` reads, through the breaker.
-        Raises _Skipped when Redis was not tried or did not answer."""
+    def _exchange(self, chunks: list[bytes | memoryview], read: int | Callable[[Any], list[Any]]) -> list[Any]:
+        """Send pre-packed commands on one pooled connection, then read that many replies (`_responses`), or what
+        `read(connection)` reads, through the breaker. Raises _Skipped when Redis was not tried or did not
+        answer."""
         if not self.breaker.allow():
             raise _Skipped(by_breaker=True)
         try:
@@ -354,12 +364,7 @@ class RedisStore:
             raise _Skipped(by_breaker=False) from None
         try:
             conn.send_packed_command(chunks, check_health=False)
-            replies = [] if read is None else read(conn)
-            for _ in range(n_replies):
-                try:
-                    replies.append(conn.read_response())
-                except ResponseError as e:  # the reply was read whole: the connection is still in step
-                    replies.append(e)
+            replies = _responses(conn, read) if isinstance(read, int) else read(conn)
         except _UNAVAILABLE:
             conn.disconnect()
             self.breaker.failure()
