@@ -14,7 +14,7 @@ ROWS = [
     {"__init__", "layout", "metrics", "report"},
     {"stores"},
     {"directory", "sizing", "config", "policies", "admission", "keys", "weights", "guard", "decide", "traces",
-     "analyze", "sim"},
+     "analyze", "sim", "plan"},
     {"mover"},
     {"wiring"},
     {"cache"},

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from kvtier import __version__
-from kvtier.cli import rollout_command
+from kvtier.cli import plan_command, rollout_command
 from kvtier.cli import trace_commands as decide
 from kvtier.config import ConfigError, for_engine, parse_config
 
@@ -23,6 +23,7 @@ commands:
   demo     the rollout on the embedded default: `vllm serve` with a tiny model on this CPU, every step
   bench    measure the tiers against plain baselines on this machine (ratios, medians of several runs)
   config   validate a kvtier config file (the JSON you pass as kv_connector_extra_config)
+  plan     split the memory budget (weights, workspace, engine KV; host and disk tiers) and print the flags
   tiny-model  write a servable tiny model (random weights, a locally trained tokenizer, a chat template)
 """ + decide.HELP
 
@@ -70,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
                           "(deterministic), with a chat template. `vllm serve DIR` serves it on the CPU.")
     tiny.add_argument("dir", type=Path, help="the folder to write (created)")
     decide.add_commands(sub)
+    plan_command.add(sub)
     return parser
 
 
@@ -84,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             return decide.run(args)
         if args.command == "config":
             return _config(args)
+        if args.command == "plan":
+            return plan_command.run(args)
         if args.command == "demo":
             return _demo(args)
         if args.command == "rollout":

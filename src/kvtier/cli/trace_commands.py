@@ -134,7 +134,7 @@ def _requests(args: argparse.Namespace):
     return read_trace(args.trace, block_tokens=args.block_tokens), notes
 
 
-def _progress(console: Console, total: bool) -> Progress:
+def progress_bar(console: Console, total: bool) -> Progress:
     columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                MofNCompleteColumn() if total else TextColumn("{task.completed:,} requests"), TimeElapsedColumn()]
     return Progress(*columns, console=console, transient=True)
@@ -152,7 +152,7 @@ def _analyze(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     requests, notes = _requests(args)
     err = Console(stderr=True)
-    with _progress(err, total=False) as progress:
+    with progress_bar(err, total=False) as progress:
         task = progress.add_task(f"reading {args.trace.name}", total=None)
 
         def counted():
@@ -203,7 +203,7 @@ def _simulate(args: argparse.Namespace) -> int:
     dep = Deployment(cost, block_tokens, int(args.engine_kv_gib * GiB),
                      args.instances or auto_instances(requests, cost))
     err = Console(stderr=True)
-    with _progress(err, total=True) as progress:
+    with progress_bar(err, total=True) as progress:
         task = progress.add_task(f"replaying {len(configs)} configurations", total=len(requests) * len(configs))
         step = [0]
 
