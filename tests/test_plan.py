@@ -106,6 +106,14 @@ def test_the_slab_is_whole_slots_with_no_power_of_two_rounding():
     assert h.free_bytes == h.total_bytes - h.reserved_bytes - h.process_bytes - h.slab_bytes
 
 
+def test_with_tensor_parallelism_the_disk_tier_bounds_each_ranks_files():
+    plan = make_plan(PlanInputs(model="llama-3.1-70b", tp=4, max_model_len=32768, slab_gib=200, host_gib=1024,
+                                disk_gib=400))
+    [disk] = plan.transfer_config["kv_connector_extra_config"]["secondary_tiers"]
+    assert disk["max_bytes"] == 100 * GiB  # each of the 4 ranks writes its shard of every block to its own folder
+    assert plan.sizes.disk == 400 * GiB  # the whole model's KV: 8 KV heads split 4 ways, none replicated
+
+
 def test_weight_offload_is_counted_on_the_host_and_warned_with_its_per_forward_cost():
     base = PlanInputs(model="llama-3.1-8b", max_model_len=8192, slab_gib=64, host_gib=256, tp=2)
     plain, offloaded = make_plan(base), make_plan(replace(base, cpu_offload_gib=5))
@@ -163,6 +171,18 @@ def test_memory_pressure_sizes_host_then_disk_at_the_knee_and_the_replay_confirm
     assert t["replay_hit_ratio"]["engine + host + disk"] > t["replay_hit_ratio"]["engine + host"]
     [disk] = tight["kv_transfer_config"]["kv_connector_extra_config"]["secondary_tiers"]
     assert disk["max_bytes"] == t["disk_bytes"]
+
+
+@pytest.mark.parametrize(("options", "failing", "words"), [
+    (["--kv-cache-gib", "400", "--gpu-gib", "512"], "pressure", "no memory pressure"),
+    (["--kv-cache-gib", "4", "--ttft-budget-ms", "5"], "latency", "cannot meet the 5 ms TTFT budget"),
+])
+def test_a_trace_without_pressure_or_within_no_budget_gets_do_not_offload(tmp_path, options, failing, words):
+    data = run_plan(tmp_path, "--trace", trace(tmp_path, "shared", 600), "--max-model-len", "8192",
+                    "--host-gib", "128", *options)
+    checks = {c["name"]: c for c in data["tiers"]["checks"]}
+    assert data["offload"] is False and checks[failing]["ok"] is False and words in checks[failing]["reason"]
+    assert data["kv_transfer_config"] is None and data["tiers"]["replay_hit_ratio"] == {}
 
 
 def test_a_host_too_small_for_more_than_the_engine_holds_is_scarce(tmp_path):

@@ -94,7 +94,7 @@ def make_plan(i: PlanInputs, on_request: Callable[[], None] | None = None) -> Pl
     kv_per_slab_byte = model.layout.bytes_per_token / (model.layout.shard(i.tp).bytes_per_token * i.tp)
     engine = gpu.kv_tokens * model.layout.bytes_per_token
     slab_fixed = None if i.slab_gib is None else int(i.slab_gib * GiB)
-    disk = int(i.disk_gib * GiB)
+    disk = int(i.disk_gib * GiB * kv_per_slab_byte)  # every rank writes its own shard of a block to disk
     if requests:
         sizes = tiers.from_trace(requests, _cost(model, i), engine, int(available * kv_per_slab_byte), disk,
                                  i.ttft_budget_ms / 1e3,
@@ -108,7 +108,9 @@ def make_plan(i: PlanInputs, on_request: Callable[[], None] | None = None) -> Pl
     sizes.host = int(host.slab_bytes * kv_per_slab_byte)
     transfer = None
     if sizes.offload:
-        transfer = flags.kv_transfer_config(host, sizes.disk, block_tokens, i.engine_block_tokens, i.disk_root)
+        # cpu_bytes_to_use counts every rank's shards (as vLLM's offloading does); an fs tier's max_bytes one rank's
+        disk_per_rank = int(sizes.disk / kv_per_slab_byte) // i.tp
+        transfer = flags.kv_transfer_config(host, disk_per_rank, block_tokens, i.engine_block_tokens, i.disk_root)
     serve = flags.vllm_command(HUB_IDS.get(model.name, model.name), i.tp, gpu, i.gpu_util, i.max_num_seqs,
                                i.max_batched_tokens, transfer, i.cpu_offload_gib)
     trtllm = flags.trtllm_kv_cache_config(gpu, host if sizes.offload else None, i.tp)

@@ -66,8 +66,8 @@ def from_trace(requests: Sequence[TraceRequest], cost: CostModel, engine: int, h
     """Sizes at the knee, capped by what the host and the disk can give (`host_fixed`: the slab is set)."""
     analysis = analyze(requests, Deployment(cost, engine, host_available, disk_available, ttft_budget_s), source)
     knee = analysis.bytes_for(KNEE_SHARE)
-    host = host_fixed if host_fixed is not None else min(max(knee, 0), host_available)
-    disk = min(max(knee - host, 0), disk_available) if knee > max(engine, host) else 0
+    host = host_fixed if host_fixed is not None else min(knee, host_available)
+    disk = min(knee - host, disk_available) if knee > max(engine, host) else 0
     analysis.deployment = Deployment(cost, engine, host, disk, ttft_budget_s)
     sizes = TierSizes(engine, host, disk, knee, curve_hits=analysis.tier_hit_ratios())
     found = verdict(analysis)
@@ -86,14 +86,12 @@ def from_trace(requests: Sequence[TraceRequest], cost: CostModel, engine: int, h
 
 def _replay(requests: list[TraceRequest], analysis: Analysis, sizes: TierSizes,
             on_request: Callable[[], None] | None) -> dict[str, float]:
-    from kvtier.sim.configs import DISK_ROOT, SimConfig
+    from kvtier.sim.configs import DISK_ROOT, SimConfig, host_config
     from kvtier.sim.simulate import Deployment as SimDeployment
     from kvtier.sim.simulate import auto_instances, simulate
 
     block_tokens = analysis.block_tokens
-    host = {"cpu_bytes_to_use": sizes.host, "block_size": block_tokens}
-    if block_tokens % 16:
-        host["engine_block_size"] = block_tokens
+    host = host_config(block_tokens, sizes.host)
     configs = [SimConfig("engine", None), SimConfig("engine + host", host)]
     if sizes.disk:
         disk = {"type": "fs", "root_dir": DISK_ROOT, "max_bytes": sizes.disk}

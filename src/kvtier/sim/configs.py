@@ -64,11 +64,18 @@ def load_config_file(path: str | Path) -> SimConfig:
     return config
 
 
-def builtin_configs(block_tokens: int, host_bytes: int, disk_bytes: int, with_priority: bool) -> list[SimConfig]:
-    """One change at a time: engine only, + host (each policy, second-sighting admission), + host + disk."""
+def host_config(block_tokens: int, host_bytes: int) -> dict[str, Any]:
+    """A host tier of `host_bytes` for blocks of the trace's size (the engine's blocks as large when 16 does not
+    divide them)."""
     host: dict[str, Any] = {"cpu_bytes_to_use": host_bytes, "block_size": block_tokens}
     if block_tokens % 16:
         host["engine_block_size"] = block_tokens
+    return host
+
+
+def builtin_configs(block_tokens: int, host_bytes: int, disk_bytes: int, with_priority: bool) -> list[SimConfig]:
+    """One change at a time: engine only, + host (each policy, second-sighting admission), + host + disk."""
+    host = host_config(block_tokens, host_bytes)
     disk = {"type": "fs", "root_dir": DISK_ROOT, "max_bytes": disk_bytes}
     configs = [
         SimConfig("engine only", None),
