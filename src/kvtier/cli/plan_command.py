@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if args.measure:
         from kvtier.integrations.vllm.measure_plan import measure
 
-        return measure(inputs, args.json, args.model != PlanInputs.model)
+        return measure(inputs, args.json)
     from kvtier.cli.trace_commands import progress_bar
 
     if inputs.trace is None:

@@ -23,11 +23,12 @@ TOLERANCE = 0.02
 CPU_BLOCK_TOKENS = 128  # the CPU backend's default block size
 
 
-def measure(inputs: PlanInputs, json_path: Path | None, model_given: bool) -> int:
-    """Exit code 0 when both predictions are within TOLERANCE of the engine's figures, 1 otherwise."""
+def measure(inputs: PlanInputs, json_path: Path | None) -> int:
+    """`inputs.model`: a local model folder, or the default preset for the tiny model built here. Exit code 0 when
+    both predictions are within TOLERANCE of the engine's figures, 1 otherwise."""
     with tempfile.TemporaryDirectory(prefix="kvtier-measure-") as scratch:
         model = inputs.model
-        if not model_given:
+        if model == PlanInputs.model:
             from kvtier.integrations.vllm.tiny_model import build_tiny_llama
 
             model = build_tiny_llama(Path(scratch) / "tiny")
@@ -56,8 +57,7 @@ def measure(inputs: PlanInputs, json_path: Path | None, model_given: bool) -> in
                Text(f"{'within' if ok else 'NOT within'} {TOLERANCE:.0%}", "bold green" if ok else "bold red"))
     report.print()
     if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report.data, indent=1))
+        report.write_json(json_path)
     return 0 if ok else 1
 
 
