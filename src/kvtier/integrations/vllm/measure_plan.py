@@ -82,7 +82,10 @@ def _engine_blocks(model: str, kv_bytes: int, block_tokens: int, max_model_len: 
     """The KV blocks an in-process vLLM on the CPU allocates."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
-    from vllm import LLM
+    try:
+        from vllm import LLM
+    except ImportError as e:
+        raise ValueError(f"--measure needs vLLM (its CPU build: `make venv` installs it): {e}") from None
 
     llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_model_len,
               block_size=block_tokens, kv_cache_memory_bytes=kv_bytes, max_num_seqs=max_num_seqs,
