@@ -134,9 +134,6 @@ class HostPlan:
 
 def host_available(total: int, reserved: int, process: int, offloaded: int, page_cache: int) -> int:
     """What the host can give the slab; ValueError when the rest already takes it all."""
-    for flag, value in (("--host-gib", total), ("--host-reserved-gib", reserved), ("--page-cache-gib", page_cache)):
-        if value < 0 or (flag == "--host-gib" and value == 0):
-            raise ValueError(f"{flag} must be {'> 0' if flag == '--host-gib' else '>= 0'}, got {value / GiB:g}")
     available = total - reserved - process - offloaded - page_cache
     if available <= 0:
         raise ValueError(

@@ -167,6 +167,7 @@ def _check_inputs(i: PlanInputs) -> None:
         if value is not None and not value > 0:
             raise ValueError(f"{flag} must be > 0, got {value:g}")
     for flag, value in {"--disk-gib": i.disk_gib, "--cpu-offload-gib": i.cpu_offload_gib,
+                        "--host-reserved-gib": i.host_reserved_gib, "--page-cache-gib": i.page_cache_gib,
                         "--workspace-gib": i.workspace_gib, "--process-gib": i.process_gib,
                         "--itl-ms": i.itl_ms}.items():
         if value is not None and value < 0:

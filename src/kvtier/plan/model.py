@@ -89,7 +89,7 @@ def load_model(model: str, weight_dtype: str | None = None, kv_dtype: str | None
     path = Path(model)
     if model in MODEL_CONFIGS:
         name, raw = model, MODEL_CONFIGS[model]
-    elif path.is_dir() or path.suffix == ".json" or path.exists():
+    elif path.suffix == ".json" or path.exists():
         file = path / "config.json" if path.is_dir() else path
         name, raw = str(path), _read_json(file)
     else:

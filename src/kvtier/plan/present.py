@@ -3,11 +3,9 @@ per device and for the host."""
 
 from __future__ import annotations
 
-from kvtier.plan.budget import WORKSPACE_ASSUMPTION
+from kvtier.plan.budget import WORKSPACE_ASSUMPTION, GiB
 from kvtier.plan.make import Plan
 from kvtier.report import Heading, Plot, Report, Table, Text, fmt_bytes, fmt_share
-
-GiB = 1 << 30
 
 
 def plan_report(plan: Plan) -> Report:

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 from kvtier.analyze.questions import Analysis, Deployment, analyze
 from kvtier.analyze.verdict import Check, verdict
+from kvtier.plan.budget import GiB
 from kvtier.sim.cost import CostModel
 from kvtier.traces.request import TraceRequest
 
 KNEE_SHARE = 0.95
-GiB = 1 << 30
 
 
 @dataclass

@@ -18,7 +18,6 @@ from pathlib import Path
 from kvtier.plan.make import PlanInputs, make_plan
 from kvtier.report import Report, Table, Text
 
-GiB = 1 << 30
 TOLERANCE = 0.02
 CPU_BLOCK_TOKENS = 128  # the CPU backend's default block size
 
