@@ -163,6 +163,42 @@ def test_a_rank_that_fails_never_lets_another_serve_a_hit_it_cannot(tmp_path):
         engine.close()
 
 
+def test_a_hit_whose_blocks_find_no_room_to_stage_is_recomputed_and_counted(tmp_path):
+    """A disk hit stages through host; with every host slot held by a store in flight, the load falls short of
+    what vLLM was promised: the blocks are reported failed (vLLM recomputes them), never served, and counted."""
+    config = parse_config({**disk_config(tmp_path / "kv", 2, 16).model_dump(mode="json"), "engine_block_size": 16})
+    engine = Engine(config)
+    try:
+        for i in range(3):  # host holds 2 slots: the first request's block goes down to disk
+            engine.admit(stored := Request(f"r{i}", [bytes([i + 1]) * 32]))
+            engine.run(stored)
+            engine.drain()
+            if i == 0:
+                key = engine.scheduler._keys(stored)[0]
+        assert set(engine.scheduler.directory.residency(key)) == {"disk"}
+        for i in (3, 4):  # two stores planned, not yet run: both host slots are being written
+            engine.admit(busy := Request(f"r{i}", [bytes([i + 1]) * 32]))
+            engine.compute(busy, set())
+            busy.num_computed_tokens = 16
+            engine.finish(busy)
+        hit = Request("q", [bytes([1]) * 32, bytes([9]) * 32])
+        engine.admit(hit)
+        assert hit.promised == 16 and hit.is_async  # the disk hit was promised ...
+        counters = engine.scheduler.stats_payload()["counters"]
+        assert counters["load_shortfall_tokens"] == {"disk": 16}  # ... and could not be staged
+        assert counters["lookup_tokens"].get("disk", 0) == 0
+        engine.run(hit)
+        assert engine.loaded == 0 and engine.wrong == 0  # reported failed: recomputed, not served
+        engine.drain()
+        again = Request("q2", [bytes([1]) * 32])
+        engine.admit(again)
+        engine.run(again)
+        assert engine.loaded == 1 and engine.wrong == 0  # with room again, the same block is served exactly
+        assert engine.scheduler.stats_payload()["counters"]["load_shortfall_tokens"] == {}  # nothing new
+    finally:
+        engine.close()
+
+
 # ---------------------------------------------------------------- the connector under random traffic and faults
 
 

@@ -5,7 +5,8 @@ Run as a subprocess by the tests: each engine gets a fresh process, as a served 
 PROMPTS name seeded 2048-token prompts: A, B, C, D; `A+B` submits A and B together. The engine's KV cache
 holds 48 blocks of 128 tokens, so three other prompts evict a fourth. `!redis-kill` and `!redis-start` kill and
 restart (same port, empty) the test's redis-server, named by KVTIER_TEST_REDIS="binary|port|dir|pid"; `!reset`
-resets vLLM's prefix cache and the connector's.
+resets vLLM's prefix cache and the connector's; `!sleep:S` waits S seconds. Between requests the engine steps
+until the connector's stores are done, as a served engine does.
 """
 
 from __future__ import annotations
@@ -54,6 +55,22 @@ def kvtier_series() -> dict[str, float]:
     return out
 
 
+def drain(llm) -> None:
+    """Let finished requests' stores complete before the next request, as a served engine does between requests:
+    it keeps stepping while the connector has work in flight (`has_pending_push_work`). In-process, the engine
+    steps only while a request runs, so we step it here. A separate engine process steps on its own, out of our
+    sight: a short pause stands in."""
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+        time.sleep(0.2)
+        return
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    deadline = time.monotonic() + 60
+    while connector is not None and connector.has_pending_push_work():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the connector's stores did not complete in 60 s")
+        llm.llm_engine.step()
+
+
 def main() -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -67,6 +84,9 @@ def main() -> None:
     results = []
     redis = None  # the server this process restarted, stopped when it ends
     for names_together in names:
+        if names_together.startswith("!sleep:"):  # idle time, e.g. for a breaker's cooldown to pass
+            time.sleep(float(names_together.removeprefix("!sleep:")))
+            continue
         if names_together.startswith("!redis-"):
             redis = redis_action(names_together, redis)
             continue
@@ -89,10 +109,7 @@ def main() -> None:
                 "prompt": name, "tokens": list(completion.token_ids), "cached": out.num_cached_tokens,
                 "logprobs": [next(iter(d.values())).logprob for d in completion.logprobs], "seconds": seconds,
             })
-        time.sleep(0.2)  # let finished requests' stores complete, as idle time between requests would
-    # In-process, the engine steps only while a request runs; a served engine keeps stepping while the
-    # connector has stores to drain (has_pending_push_work). A short request stands in for that idle time.
-    llm.generate([TokensPrompt(prompt_token_ids=[5] * 8)], SamplingParams(max_tokens=2), use_tqdm=False)
+        drain(llm)
     figures = {}
     if kv is not None and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
         from vllm.distributed.kv_transfer import get_kv_transfer_group  # the worker half lives in this process

@@ -70,6 +70,7 @@ class _Lookup(NamedTuple):
     local: int  # tokens vLLM already held (its own prefix hit)
     fetch: bool  # some blocks come from the shared tier
     sync: bool  # all from host: loaded before this step's forward
+    found: tuple[str, ...]  # the tier each promised block was found in
 
 
 class SchedulerSide:
@@ -94,7 +95,7 @@ class SchedulerSide:
         self._deletes: list[Step] = []
         self._stores_in_flight = 0
         self._dropped: Counter = Counter()  # reason -> blocks this half refused to store
-        self.stats: Counter = Counter()
+        self._shortfall: Counter = Counter()  # tier -> tokens promised to vLLM that no load could stage
         self._deltas = Deltas()
         self._generation = b""  # appended to every key once vLLM reset its prefix cache (see reset_cache)
         self._orphans: dict[str, int] = {}
@@ -134,7 +135,8 @@ class SchedulerSide:
         blocks = -(-(end - first * bt) // bt)
         fetch = blocks > len(sources)
         sync = not fetch and all(self.directory.kind(s) is TierKind.HOST for s in sources[:blocks])  # module doc
-        self._lookups[request.request_id] = _Lookup(first, blocks, end, num_computed_tokens, fetch, sync)
+        self._lookups[request.request_id] = _Lookup(first, blocks, end, num_computed_tokens, fetch, sync,
+                                                    tuple(found[:blocks]))
         return promised, not sync
 
     def _shared_blocks(self, request_id: str, keys: list[bytes], local: int, skip: frozenset[str]) -> int | None:
@@ -168,7 +170,7 @@ class SchedulerSide:
         self._asked_local.pop(request.request_id, None)
         # vLLM has not updated request.num_computed_tokens yet (and after a failed load it is stale): the local
         # hit it told us in get_num_new_matched_tokens is the truth about which engine blocks it already holds.
-        first, promised, end, local, fetch, sync = promise
+        first, promised, end, local, fetch, sync, found = promise
         all_keys = self._keys(request)
         keys = all_keys[first : first + promised]
         engine_ids = blocks.get_block_ids()[0]
@@ -179,15 +181,15 @@ class SchedulerSide:
         self._count_lookup(request, first, plan.sources)
         self.control.served(request, plan.sources, engine_hit=local > 0)
         served = self._served[request.request_id] = Counter()
-        for i, source in enumerate(plan.sources):  # tokens each tier really serves to this request
-            lo = max((first + i) * self.geo.block_tokens, local)
-            tokens = max(0, min((first + i + 1) * self.geo.block_tokens, end) - lo)
-            self.stats[f"tokens_{source}"] += tokens
-            served[self.directory.kind(source)] += tokens
+        bt = self.geo.block_tokens
+        tokens = [max(0, min((first + i + 1) * bt, end) - max((first + i) * bt, local)) for i in range(len(keys))]
+        for source, n in zip(plan.sources, tokens):  # tokens each tier really serves to this request
+            served[self.directory.kind(source)] += n
+        # no room to stage the rest (the first tier's slots all held by transfers in flight): vLLM recomputes them
+        for source, n in zip(found[len(plan.keys) :], tokens[len(plan.keys) :]):
+            self._shortfall[source] += n
         targets = [self._engine_blocks(engine_ids, first + i, skip, end) for i in range(len(keys))]
         unavailable = [b for t in targets[len(plan.keys) :] for b in t if b is not None]
-        if unavailable:  # fewer blocks stageable than promised: vLLM recomputes those
-            self.stats["load_shortfall_blocks"] += len(keys) - len(plan.keys)
         self._loading[request.request_id] = sync
         if sync and not plan.steps:  # nothing to run: vLLM learns of the shortfall from this step's output
             self._settling.add(request.request_id)
@@ -250,6 +252,7 @@ class SchedulerSide:
                 "admission_rejects": self._deltas.take("admission_rejects", d.stats.admission_rejects),
                 "stores_dropped": self._deltas.take("stores_dropped", d.stats.stores_dropped + self._dropped),
                 "failed_deletes": self._deltas.take("failed_deletes", d.stats.failed_deletes),
+                "load_shortfall_tokens": self._deltas.take("load_shortfall_tokens", self._shortfall),
             },
             "gauges": {
                 "tier_used_bytes": {name: u.used_bytes for name, u in usage.items()},
