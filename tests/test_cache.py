@@ -31,9 +31,11 @@ def test_host_round_trip_is_bit_identical(tmp_path, dtype):
         assert cache.snapshot()["lookup_tokens"] == {"host": 8 * 16, "miss": 0}
 
 
+@pytest.mark.parametrize("stage_loads", [True, False], ids=["staged", "direct"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_disk_round_trip_through_demotion_is_bit_identical(tmp_path, dtype):
-    with TieredCache(make_config(tmp_path, 4, 32, dtype=dtype), SHAPE, dtype, model="test") as cache:
+def test_disk_round_trip_through_demotion_is_bit_identical(tmp_path, dtype, stage_loads):
+    config = make_config(tmp_path, 4, 32, dtype=dtype)
+    with TieredCache(config, SHAPE, dtype, model="test", stage_loads=stage_loads) as cache:
         keys, blocks = keys_for(12), random_blocks(12, dtype, seed=1)
         for i in range(0, 12, 3):  # the host holds 4: older blocks are demoted to disk as we go
             cache.store(keys[i : i + 3], blocks[i : i + 3], parent=keys[i - 1] if i else None)
@@ -41,9 +43,16 @@ def test_disk_round_trip_through_demotion_is_bit_identical(tmp_path, dtype):
         snap = cache.snapshot()
         assert snap["moves"]["host->disk"] >= 8
         assert cache.lookup(keys) == 12
-        got = cache.load(keys[:3])  # comes from disk, staged through host
+        got = cache.load(keys[:3])  # comes from disk: staged through host, or read straight into the result
         assert len(got) == 3 and all(same_bytes(a, b) for a, b in zip(got, blocks))
-        assert cache.snapshot()["moves"].get("disk->host", 0) >= 1
+        moves = cache.snapshot()["moves"]
+        assert moves.get("disk->host" if stage_loads else "disk->caller", 0) == 3
+        assert "host" not in cache.directory.residency(keys[0]) or stage_loads
+        if not stage_loads:  # storing what it used promotes it
+            cache.store(keys[:3], got)
+            cache.flush()
+            assert cache.lookup(keys[:3]) == 3 and "host" in cache.directory.residency(keys[0])
+            assert all(same_bytes(a, b) for a, b in zip(cache.load(keys[:3]), blocks))
 
 
 def test_restart_recovers_every_valid_block(tmp_path):

@@ -293,11 +293,11 @@ class SharedDirectoryMachine(DirectoryMachine):
     machine's invariants still hold (slots, pins, no orphans, exact accounting), and a write-through step
     always finds its block's bytes in the host slot it reads."""
 
-    @initialize(specs=tier_specs(), sightings=st.integers(1, 2))
-    def setup(self, specs: list[TierSpec], sightings: int) -> None:  # type: ignore[override]
-        super().setup(specs)
+    @initialize(specs=tier_specs(), sightings=st.integers(1, 2), stage_loads=st.booleans())
+    def setup(self, specs: list[TierSpec], sightings: int, stage_loads: bool) -> None:  # type: ignore[override]
+        super().setup(specs, stage_loads)
         self.shared = SharedSpec("redis", BLOCK, AdmissionRule(min_sightings=sightings))
-        self.d = self._listened(Directory(specs, clock=lambda: 0.0, shared=self.shared))
+        self.d = self._listened(Directory(specs, clock=lambda: 0.0, shared=self.shared, stage_loads=stage_loads))
         self.redis: dict[bytes, bytes | None] = {}  # key -> parent, with the chain invariant
 
     def _redis_drop(self, key: bytes) -> None:
@@ -336,7 +336,8 @@ class SharedDirectoryMachine(DirectoryMachine):
 
     def fresh_directory(self) -> Directory:
         """As the base machine's, with the shared tier (which a restart does not touch)."""
-        return self._listened(Directory([t.spec for t in self.d.tiers], clock=lambda: 0.0, shared=self.shared))
+        return self._listened(Directory([t.spec for t in self.d.tiers], clock=lambda: 0.0, shared=self.shared,
+                                        stage_loads=self.d.stage_loads))
 
     def _execute(self, step: Step, roll: int) -> Status:
         if step.dst == "redis":

@@ -104,9 +104,10 @@ def all_blocks(directory: Directory):
 
 
 class DirectoryMachine(RuleBasedStateMachine):
-    @initialize(specs=tier_specs())
-    def setup(self, specs: list[TierSpec]) -> None:
-        self.d = self._listened(Directory(specs, clock=lambda: 0.0))
+    @initialize(specs=tier_specs(), stage_loads=st.booleans())
+    def setup(self, specs: list[TierSpec], stage_loads: bool) -> None:
+        """`stage_loads`: as TieredCache loads (through the host), or as the vLLM connector (straight from disk)."""
+        self.d = self._listened(Directory(specs, clock=lambda: 0.0, stage_loads=stage_loads))
         self.adopted: set[tuple[bytes, str]] = set()
         self.slotted = {s.name for s in specs if s.slotted}
         self.bytes = Bytes(
@@ -221,7 +222,8 @@ class DirectoryMachine(RuleBasedStateMachine):
 
     def fresh_directory(self) -> Directory:
         """The directory a restarted process builds from the same config."""
-        return self._listened(Directory([t.spec for t in self.d.tiers], clock=lambda: 0.0))
+        return self._listened(Directory([t.spec for t in self.d.tiers], clock=lambda: 0.0,
+                                        stage_loads=self.d.stage_loads))
 
     def _listened(self, d: Directory) -> Directory:
         """`announced`: the (key, tier) pairs the directory's change hook says are readable (the KV events)."""

@@ -163,9 +163,27 @@ def test_a_rank_that_fails_never_lets_another_serve_a_hit_it_cannot(tmp_path):
         engine.close()
 
 
-def test_a_hit_whose_blocks_find_no_room_to_stage_is_recomputed_and_counted(tmp_path):
-    """A disk hit stages through host; with every host slot held by a store in flight, the load falls short of
-    what vLLM was promised: the blocks are reported failed (vLLM recomputes them), never served, and counted."""
+def admit(engine: Engine, request: Request) -> None:
+    """A shared tier is asked on a thread: vLLM asks again each step until it answers."""
+    for _ in range(500):
+        if engine.admit(request):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{request.request_id} was never admitted")
+
+
+def busy_host(engine: Engine, first: int) -> None:
+    """Two stores planned, not yet run: both slots of a 2-slot host are being written."""
+    for i in (first, first + 1):
+        admit(engine, busy := Request(f"busy{i}", [bytes([i]) * 32]))
+        engine.compute(busy, set())
+        busy.num_computed_tokens = 16
+        engine.finish(busy)
+
+
+def test_a_disk_hit_needs_no_host_slot_and_is_promoted_by_its_store(tmp_path):
+    """A disk hit is read straight into the engine's block: with every host slot held by a store in flight it is
+    still served, exactly, and the request's own store then gives it a host copy."""
     config = parse_config({**disk_config(tmp_path / "kv", 2, 16).model_dump(mode="json"), "engine_block_size": 16})
     engine = Engine(config)
     try:
@@ -175,26 +193,42 @@ def test_a_hit_whose_blocks_find_no_room_to_stage_is_recomputed_and_counted(tmp_
             engine.drain()
             if i == 0:
                 key = engine.scheduler._keys(stored)[0]
-        assert set(engine.scheduler.directory.residency(key)) == {"disk"}
-        for i in (3, 4):  # two stores planned, not yet run: both host slots are being written
-            engine.admit(busy := Request(f"r{i}", [bytes([i + 1]) * 32]))
-            engine.compute(busy, set())
-            busy.num_computed_tokens = 16
-            engine.finish(busy)
+        directory = engine.scheduler.directory
+        assert set(directory.residency(key)) == {"disk"}
+        busy_host(engine, 10)
         hit = Request("q", [bytes([1]) * 32, bytes([9]) * 32])
         engine.admit(hit)
-        assert hit.promised == 16 and hit.is_async  # the disk hit was promised ...
+        assert hit.promised == 16 and hit.is_async
+        engine.run(hit)
+        assert engine.loaded == 1 and engine.wrong == 0
+        assert engine.scheduler.stats_payload()["counters"]["load_shortfall_tokens"] == {}
+        assert engine.workers[0].metrics.moves.moves[("disk", "caller")] == 1
+        engine.drain()
+        assert set(directory.residency(key)) == {"host", "disk"}  # promoted when the request was stored
+    finally:
+        engine.close()
+
+
+def test_a_shared_tier_hit_without_a_host_slot_to_stage_in_is_recomputed_and_counted(redis_server):
+    """A Redis hit is staged through host; with every host slot held by a store in flight, the load falls short
+    of what vLLM was promised: the block is reported failed (vLLM recomputes it), never served, and counted."""
+    from kvtier.stores.redis import RedisStore
+
+    config = parse_config({"cpu_bytes_to_use": 2 * P, "block_size": 16, "engine_block_size": 16, "secondary_tiers": [
+        {"type": "redis", "url": redis_server.url, "max_bytes": 64 * (P + 600)}]})
+    engine = Engine(config)
+    try:
+        hit = Request("q", [bytes([1]) * 32, bytes([9]) * 32])
+        other = RedisStore(redis_server.url, engine.scheduler.geo.namespace(0), P, 64 * (P + 600))
+        other.put_many([(engine.scheduler._keys(hit)[0], None, torch.zeros(P, dtype=torch.uint8))])  # another engine's
+        other.close()
+        busy_host(engine, 10)
+        admit(engine, hit)
+        assert hit.promised == 16 and hit.is_async  # the hit was promised ...
         counters = engine.scheduler.stats_payload()["counters"]
-        assert counters["load_shortfall_tokens"] == {"disk": 16}  # ... and could not be staged
-        assert counters["lookup_tokens"].get("disk", 0) == 0
+        assert counters["load_shortfall_tokens"] == {"redis": 16}  # ... and could not be staged
         engine.run(hit)
         assert engine.loaded == 0 and engine.wrong == 0  # reported failed: recomputed, not served
-        engine.drain()
-        again = Request("q2", [bytes([1]) * 32])
-        engine.admit(again)
-        engine.run(again)
-        assert engine.loaded == 1 and engine.wrong == 0  # with room again, the same block is served exactly
-        assert engine.scheduler.stats_payload()["counters"]["load_shortfall_tokens"] == {}  # nothing new
     finally:
         engine.close()
 

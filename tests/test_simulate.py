@@ -34,7 +34,8 @@ def sequential(requests: list[TraceRequest]) -> list[TraceRequest]:
 
 def tiered_cache_hits(requests, extra: dict, engine_blocks: int, tmp_path) -> tuple[dict, dict]:
     """The in-process runtime driven as the vLLM connector drives the directory: engine prefix first, kvtier
-    for the rest, then every full block stored when the request finishes."""
+    for the rest (disk hits read straight into the result), then every full block stored when the request
+    finishes."""
     data = json.loads(json.dumps(extra))
     for tier in data.get("secondary_tiers", []):
         tier["root_dir"] = str(tmp_path / "kv")
@@ -42,7 +43,7 @@ def tiered_cache_hits(requests, extra: dict, engine_blocks: int, tmp_path) -> tu
     block = torch.zeros(SHAPE, dtype=torch.bfloat16)
     engine = EngineCache(engine_blocks)
     hits = {"engine": 0}
-    with TieredCache(parse_config(data), SHAPE, torch.bfloat16, model="test") as cache:
+    with TieredCache(parse_config(data), SHAPE, torch.bfloat16, model="test", stage_loads=False) as cache:
         assert cache.payload_nbytes == PAYLOAD == LAYOUT.bytes_per_block(16)
         for r in requests:
             keys = [b.to_bytes(8, "little") for b in r.blocks]

@@ -55,10 +55,13 @@ class TieredCache:
         world_size: int = 1,
         clock: Callable[[], float] = time.monotonic,
         model: str | None = None,
+        stage_loads: bool = True,
     ) -> None:
         """`model` names what computed the KV (`kvtier.weights.weights_identity` of its checkpoint, or any name
         that changes with the weights); it is part of the namespace, and required with a disk or Redis tier,
-        whose blocks outlive this process: blocks of another model with the same shape must never be served."""
+        whose blocks outlive this process: blocks of another model with the same shape must never be served.
+        `stage_loads=False`: as the vLLM connector loads, a disk hit is read straight into the result and only a
+        later `store` of its key promotes it into host (for callers that store every block they use)."""
         self.config = config
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
@@ -78,7 +81,8 @@ class TieredCache:
                                    owner=f"cache-{uuid.uuid4().hex}")
         self._lock = threading.RLock()
         self.clock = clock
-        self.directory = Directory(specs, clock=clock, shared=shared_spec(config, self.payload_nbytes))
+        self.directory = Directory(specs, clock=clock, shared=shared_spec(config, self.payload_nbytes),
+                                   stage_loads=stage_loads)
         self.guard = Guard(config.guard, self.directory.names, start=clock()) if config.guard is not None else None
         self._requests: OrderedDict[str, str] = OrderedDict()  # loaded for, not yet reported: id -> source
         self.metrics = Metrics(self.directory, config.block_size, guard=self.guard, lock=self._lock,

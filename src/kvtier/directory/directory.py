@@ -3,10 +3,12 @@
 Pure Python and deterministic: no I/O, no torch, no threads of its own. The in-process cache, the vLLM
 connector's scheduler half and the simulator all drive this same class, so what is simulated is what runs.
 
-It plans loads (pin the readable prefix, stage blocks of slower tiers through the first) and stores (new
-blocks into the first tier, written through where configured), hands the plans to the mover, and applies the
-mover's reports in `complete`. The rules that keep the tiers consistent are the block table's
-(`kvtier.directory.table`); the shared tier's part of the plans is `kvtier.directory.shared`'s.
+It plans loads (pin the readable prefix, stage blocks of slower tiers through the first, or with
+`stage_loads=False` read them straight into the caller) and stores (new blocks into the first tier, written
+through where configured; with `stage_loads=False`, blocks held only by slower tiers are promoted into the
+first too), hands the plans to the mover, and applies the mover's reports in `complete`. The rules that keep
+the tiers consistent are the block table's (`kvtier.directory.table`); the shared tier's part of the plans is
+`kvtier.directory.shared`'s.
 """
 
 from __future__ import annotations
@@ -36,11 +38,16 @@ class Directory(SharedTierPlans):
         clock: Callable[[], float] = time.monotonic,
         sightings_capacity: int | None = None,
         shared: SharedSpec | None = None,
+        stage_loads: bool = True,
     ) -> None:
+        """`stage_loads=False`: a load reads a slower local tier's block straight into the caller (no first-tier
+        slot to make room in, no victim to write down first, on the request's path); the caller's store of the
+        same blocks then promotes them into the first tier, off that path. The vLLM connector loads this way."""
         names = [t.name for t in tiers] + ([shared.name] if shared is not None else [])
         if len(set(names)) != len(names) or CALLER in names:
             raise ValueError(f"tier names must be unique and not {CALLER!r}: {names}")
         super().__init__(tiers, clock, sightings_capacity, shared)
+        self.stage_loads = stage_loads
 
     def record_lookup(self, sources: Sequence[str], total_blocks: int) -> None:
         """Count a request's lookup result by source (hits per tier, the rest as misses)."""
@@ -94,8 +101,8 @@ class Directory(SharedTierPlans):
         for i, (key, source) in enumerate(zip(plan.keys, sources)):
             block = self._blocks[key]
             block.seen += 1
-            if source == first.name:
-                plan.chains.append([self._step(Op.GET, key, first.name, CALLER, src_slot=block.copies[source].slot,
+            if source == first.name or not self.stage_loads:  # pinned: its copy there stays until the GET is done
+                plan.chains.append([self._step(Op.GET, key, source, CALLER, src_slot=block.copies[source].slot,
                                                index=i)])
                 continue
             # another load is staging it (its slot is taken, its bytes not there yet), or there is no room
@@ -148,6 +155,7 @@ class Directory(SharedTierPlans):
         through = [t for t in self.tiers[1:] if t.spec.write_through and t.name not in self.disabled]
         chain_blocks: list[Block] = []
         new: set[bytes] = set()
+        promoted: set[bytes] = set()  # blocks only slower tiers held, now given a first-tier copy too
         held: list[bytes] = []  # the chain's existing blocks stay put while we make room for the new ones
         if parent is not None and (parent_block := self._blocks.get(parent)) is not None:
             held.append(parent)
@@ -161,6 +169,8 @@ class Directory(SharedTierPlans):
                 held.append(key)
                 block.pins += 1
                 parent_key = key
+                if not self.stage_loads and self._promote(block, i, plan):
+                    promoted.add(key)
                 if offer:
                     offer = self._offer_shared(block, plan.chains, new=False)
                 continue
@@ -194,19 +204,44 @@ class Directory(SharedTierPlans):
             new.add(key)
             parent_key = key
         self._unpin(held)
-        self._order_stored(chain_blocks, new, priority)
+        self._order_stored(chain_blocks, new, promoted)
         return plan
 
-    def _order_stored(self, blocks: Sequence[Block], new: set[bytes], priority: int) -> None:
-        """Insert a stored chain's new blocks into their tiers' policies, touch the others; leaf first, so that
-        ancestors end up more recent than descendants."""
+    def _promote(self, block: Block, index: int, plan: Plan) -> bool:
+        """A first-tier copy of an existing block, PUT from the caller's bytes (its `index`-th block), if room can
+        be made without dropping a store (`stage_loads=False`: loads did not stage it there). Only a block at
+        rest in slower tiers: while one of its copies is being written, a step of the chain that writes it may
+        still count on the first-tier copy it had (a failed PUT's write-through)."""
+        first = self.tiers[0]
+        if first.name in block.copies or any(c.state is not State.READY for c in block.copies.values()):
+            return False
+        room = self._room(first, block.key, plan, dropped=0)
+        if room is None:
+            return False
+        slot, chain = room
+        if self._blocks.get(block.key) is not block:  # making room dropped an ancestor, and this block with it
+            self._give_back(first, slot, chain, plan)
+            return False
+        block.copies[first.name] = Copy(slot, State.WRITING)
+        first.used_blocks += 1
+        chain.append(self._step(Op.PUT, block.key, CALLER, first.name, dst_slot=slot, index=index,
+                                parent=block.parent))
+        self.stats.planned_moves[(CALLER, first.name)] += 1
+        plan.chains.append(chain)
+        return True
+
+    def _order_stored(self, blocks: Sequence[Block], new: set[bytes], promoted: set[bytes]) -> None:
+        """Insert a stored chain's new copies into their tiers' policies (every copy of a new block, the first-tier
+        copy of a promoted one), touch the others; leaf first, so that ancestors end up more recent than
+        descendants."""
+        first = self.tiers[0].name
         for block in reversed(blocks):
             if self._blocks.get(block.key) is not block:  # dropped while planning (retiring until its steps end)
                 continue
             for name, copy in block.copies.items():
                 policy = self.tier[name].policy
-                if block.key in new:
-                    policy.insert(block.key, priority)
+                if block.key in new or (name == first and block.key in promoted):
+                    policy.insert(block.key, block.priority)
                 elif copy.state is State.READY and block.key in policy:
                     policy.touch(block.key)
 

@@ -175,7 +175,8 @@ class BlockTable:
         try:
             return self._allocate(tier, chain, key), chain
         except NoRoom:
-            self.stats.stores_dropped["no_space"] += dropped
+            if dropped:
+                self.stats.stores_dropped["no_space"] += dropped
             if chain:
                 plan.chains.append(chain)
             return None

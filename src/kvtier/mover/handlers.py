@@ -1,18 +1,23 @@
 """One transfer handler per (source medium, destination medium), as vLLM's offloading registers them.
 
-The directory's steps map onto media one to one: a PUT is caller -> host slot, a GET host slot -> caller, a
-COPY slot <-> object (a disk file, a shared-store key) or object -> object, a DELETE removes an object.
+The directory's steps map onto media one to one: a PUT is caller -> host slot, a GET host slot -> caller (or
+object -> caller, when loads are not staged), a COPY slot <-> object (a disk file, a shared-store key) or
+object -> object, a DELETE removes an object.
 `build_handlers` makes one handler for every pair of tiers a plan can name, from the stores grouped by
 protocol, so that the mover looks a step's handler up by its (src, dst) and never asks a store its type.
 """
 
 from __future__ import annotations
 
+import mmap
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvtier.directory import CALLER, Status, Step
+import torch
+
+from kvtier.directory import CALLER, Op, Status, Step
 from kvtier.mover.copy import CallerBlock, copy_all, copy_from_slot, copy_into_slot, device_stream, regions
 from kvtier.stores.base import ObjectStore, ReadStatus, SlotStore, Stores
 
@@ -112,15 +117,26 @@ class ObjectToObject:
         return status, nbytes
 
 
-class DeleteObject:
-    """DELETE: a dropped block's file or shared key."""
+class ObjectToCaller:
+    """GET object -> caller (a load not staged through host): read and checked in a buffer of the thread's own,
+    then copied into the caller's block. DELETE: a dropped block's file or shared key."""
 
-    def __init__(self, store: ObjectStore) -> None:
-        self.store = store
+    def __init__(self, store: ObjectStore, integrity_failure: Callable[[], None]) -> None:
+        self.store, self.integrity_failure = store, integrity_failure
+        self._local = threading.local()
 
     def run(self, step: Step, io: CallerIO) -> Result:
-        self.store.delete(step.key)
-        return Status.OK, 0
+        if step.op is Op.DELETE:
+            self.store.delete(step.key)
+            return Status.OK, 0
+        bounce = getattr(self._local, "bounce", None)
+        if bounce is None:  # page-aligned, so that O_DIRECT reads straight into it
+            bounce = self._local.bounce = memoryview(mmap.mmap(-1, self.store.payload_nbytes))
+        status, nbytes = _read(self.store, step.key, bounce, self.integrity_failure)
+        if status is Status.OK:
+            with device_stream(io.out, io.ready):
+                copy_from_slot(io.out[step.index], torch.frombuffer(bounce, dtype=torch.uint8))
+        return status, nbytes
 
 
 def build_handlers(stores: Stores, put: CallerToSlot, get: SlotToCaller,
@@ -133,7 +149,7 @@ def build_handlers(stores: Stores, put: CallerToSlot, get: SlotToCaller,
         counted = _counter(integrity_failure, name)
         handlers[(host, name)] = SlotToObject(slab, store)
         handlers[(name, host)] = ObjectToSlot(store, slab, counted)
-        handlers[(name, CALLER)] = DeleteObject(store)
+        handlers[(name, CALLER)] = ObjectToCaller(store, counted)
     for src_name, src in stores.local.items():
         for dst_name, dst in stores.local.items():
             if src_name != dst_name:

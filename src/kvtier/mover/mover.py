@@ -102,7 +102,7 @@ class Mover:
                 self._run_batch(batch, self._put, io, None, failed)
             tasks = [partial(self._run_chain, chain, io, None, failed) for chain in chains]
         else:
-            batch, chains = _singles(local, Op.PUT)
+            batch, chains = _singles(local, Op.PUT, self.stores.host_name)
             tasks = [partial(self._run_chain, chain, io, None, failed) for chain in chains]
             if batch:
                 tasks.append(partial(self._run_batch, batch, self._put, io, None, failed))
@@ -136,14 +136,14 @@ class Mover:
     def load(self, plan: Plan, out: Sequence[CallerBlock], ready: Any = None) -> list[bool]:
         """Run a load plan and wait for it; True for each `out[i]` that now holds its block.
 
-        Host hits are copied in the caller's thread; promotions from slower tiers run on the read pool;
+        Host hits are copied in the caller's thread; promotions and reads from slower tiers run on the read pool;
         fetches from a shared tier run as batches once the evictions that make room for them are done.
         `ready`: on an accelerator, `ready_event(out)`, recorded by the caller (in its thread).
         """
         io = CallerIO(out=out, ready=ready)
         delivered = [False] * len(out)
         plain, cut = self._shared.cut(plan.chains, last_only=False)
-        batch, chains = _singles(plain, Op.GET)
+        batch, chains = _singles(plain, Op.GET, self.stores.host_name)
         futures = [self._reads.submit(self._run_chain, chain, io, delivered) for chain in chains]
         failed: set[bytes] = set()  # keys whose fetch failed: their GETs are skipped
         befores = [self._reads.submit(self._run_chain, before, io, delivered, failed) for before, _, _ in cut if before]
@@ -256,11 +256,11 @@ class Mover:
             log.error("kvtier mover job failed", exc_info=exc)
 
 
-def _singles(chains: list[list[Step]], caller_op: Op) -> tuple[list[Step], list[list[Step]]]:
+def _singles(chains: list[list[Step]], caller_op: Op, host: str) -> tuple[list[Step], list[list[Step]]]:
     """Single-step caller<->host chains (`caller_op`) go into one batch; everything else keeps its chain."""
     batch, rest = [], []
     for chain in chains:
-        if len(chain) == 1 and chain[0].op is caller_op:
+        if len(chain) == 1 and chain[0].op is caller_op and host in (chain[0].src, chain[0].dst):
             batch.append(chain[0])
         else:
             rest.append(chain)

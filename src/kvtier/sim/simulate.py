@@ -2,8 +2,9 @@
 
 What each request does is what it does under vLLM with the kvtier connector (see
 `integrations/vllm/scheduler.py`): at its start it takes the engine's cached prefix, then asks kvtier for the
-rest (`plan_load` on the blocks after the engine's hit); its prefill leaves its blocks in the engine; when it
-finishes, its full blocks are stored (`plan_store` from the first block, as `request_finished` does).
+rest (`plan_load` on the blocks after the engine's hit, disk blocks read straight into the engine); its
+prefill leaves its blocks in the engine; when it finishes, its full blocks are stored (`plan_store` from the
+first block, as `request_finished` does: which promotes the disk blocks it loaded into host).
 Transfers complete at once in the directory; their time is charged by the cost model instead.
 
 The clock: requests arrive at their timestamps and queue, first come first served, for `instances` prefill
@@ -177,7 +178,7 @@ def _run(
     directory = decider = guard = None
     tier_order: list[str] = []
     if config is not None:
-        directory = Directory(tier_specs(config, dep.block_bytes), clock=lambda: now[0])
+        directory = Directory(tier_specs(config, dep.block_bytes), clock=lambda: now[0], stage_loads=False)
         tier_order = directory.names
         decider = Decider(config.load_policy, config.max_load_tokens, config.prefill_tokens_per_s, dep.block_bytes)
         guard_config = guard_config or config.guard

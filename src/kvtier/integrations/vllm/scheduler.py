@@ -3,11 +3,12 @@
 Keys are vLLM's own `request.block_hashes` (the last engine hash of each kvtier block, group 0), never
 re-hashed. A hit is promised to vLLM only for blocks readable now, pinned until the workers report them. Host
 hits load synchronously, before the forward of the step that computes the rest of the prompt (a memory copy
-is cheaper than vLLM's asynchronous round trip); hits in slower tiers load asynchronously, staged through
-host. When every host slot is held by a transfer, a load stages fewer blocks than promised: vLLM recomputes
-the rest (counted as the load's shortfall). Stores happen when a request finishes: its blocks are held
-(`request_finished` returns True) until the workers have copied them out, so a store never reads a block vLLM
-has reused.
+is cheaper than vLLM's asynchronous round trip); hits in slower tiers load asynchronously. A disk tier's
+blocks are read straight into the engine's blocks, and the request's store promotes them into host. The shared
+tier's are staged through host: when every host slot is held by a transfer, such a load stages fewer blocks
+than promised, and vLLM recomputes the rest (counted as the load's shortfall). Stores happen when a request
+finishes: its blocks are held (`request_finished` returns True) until the workers have copied them out, so a
+store never reads a block vLLM has reused.
 
 A shared tier (Redis) is asked for the blocks after the local prefix on a thread of our own: until it
 answers, `get_num_new_matched_tokens` returns None and vLLM keeps the request waiting, so the scheduler never
@@ -81,7 +82,7 @@ class SchedulerSide:
         self.config = config
         self.geo = geometry
         self.directory = Directory(tier_specs(config, geometry.block_nbytes, geometry.world_size),
-                                   shared=shared_spec(config, geometry.block_nbytes))
+                                   shared=shared_spec(config, geometry.block_nbytes), stage_loads=False)
         self.events = KVEvents(geometry.engine_block_size, self.directory.kind) if kv_events else None
         if self.events is not None:  # before recovery: what the disk had is not announced (its tokens are unknown)
             self.directory.on_change = self.events.changed
@@ -188,7 +189,7 @@ class SchedulerSide:
         tokens = [max(0, min((first + i + 1) * bt, end) - max((first + i) * bt, local)) for i in range(len(keys))]
         for source, n in zip(plan.sources, tokens):  # tokens each tier really serves to this request
             served[self.directory.kind(source)] += n
-        # no room to stage the rest (the first tier's slots all held by transfers in flight): vLLM recomputes them
+        # no room to stage the rest (the host's slots all held by transfers in flight): vLLM recomputes them
         for source, n in zip(found[len(plan.keys) :], tokens[len(plan.keys) :]):
             self._shortfall[source] += n
         targets = [self._engine_blocks(engine_ids, first + i, skip, end) for i in range(len(keys))]
