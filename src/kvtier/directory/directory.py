@@ -5,15 +5,16 @@ connector's scheduler half and the simulator all drive this same class, so what 
 
 It plans loads (pin the readable prefix, stage blocks of slower tiers through the first, or with
 `stage_loads=False` read them straight into the caller) and stores (new blocks into the first tier, written
-through where configured; with `stage_loads=False`, blocks held only by slower tiers are promoted into the
-first too), hands the plans to the mover, and applies the mover's reports in `complete`. The rules that keep
-the tiers consistent are the block table's (`kvtier.directory.table`); the shared tier's part of the plans is
-`kvtier.directory.shared`'s.
+through where configured; with `stage_loads=False`, a block a load read from a slower tier is promoted
+into the first when it is stored), hands the plans to the mover, and applies the mover's reports in
+`complete`. The rules that keep the tiers consistent are the block table's (`kvtier.directory.table`); the
+shared tier's part of the plans is `kvtier.directory.shared`'s.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -41,13 +42,14 @@ class Directory(SharedTierPlans):
         stage_loads: bool = True,
     ) -> None:
         """`stage_loads=False`: a load reads a slower local tier's block straight into the caller (no first-tier
-        slot to make room in, no victim to write down first, on the request's path); the caller's store of the
-        same blocks then promotes them into the first tier, off that path. The vLLM connector loads this way."""
+        slot to make room in, no victim to write down first, on the request's path); the next store of a block
+        read that way promotes it into the first tier, off that path. The vLLM connector loads this way."""
         names = [t.name for t in tiers] + ([shared.name] if shared is not None else [])
         if len(set(names)) != len(names) or CALLER in names:
             raise ValueError(f"tier names must be unique and not {CALLER!r}: {names}")
         super().__init__(tiers, clock, sightings_capacity, shared)
         self.stage_loads = stage_loads
+        self._read_below: OrderedDict[bytes, None] = OrderedDict()  # read from a slower tier, not yet promoted
 
     def record_lookup(self, sources: Sequence[str], total_blocks: int) -> None:
         """Count a request's lookup result by source (hits per tier, the rest as misses)."""
@@ -78,6 +80,7 @@ class Directory(SharedTierPlans):
             if block.key in self._blocks:  # not dropped already, as a descendant
                 self._drop(block)
         self._sightings.clear()
+        self._read_below.clear()
 
     # ---------------------------------------------------------------- loads
 
@@ -104,6 +107,11 @@ class Directory(SharedTierPlans):
             if source == first.name or not self.stage_loads:  # pinned: its copy there stays until the GET is done
                 plan.chains.append([self._step(Op.GET, key, source, CALLER, src_slot=block.copies[source].slot,
                                                index=i)])
+                if source != first.name:
+                    self._read_below[key] = None
+                    self._read_below.move_to_end(key)
+                    if len(self._read_below) > max(1024, first.capacity_blocks):
+                        self._read_below.popitem(last=False)
                 continue
             # another load is staging it (its slot is taken, its bytes not there yet), or there is no room
             room = None if first.name in block.copies else self._room(first, key, plan)
@@ -169,7 +177,7 @@ class Directory(SharedTierPlans):
                 held.append(key)
                 block.pins += 1
                 parent_key = key
-                if not self.stage_loads and self._promote(block, i, plan):
+                if key in self._read_below and self._promote(block, i, plan):
                     promoted.add(key)
                 if offer:
                     offer = self._offer_shared(block, plan.chains, new=False)
@@ -208,10 +216,11 @@ class Directory(SharedTierPlans):
         return plan
 
     def _promote(self, block: Block, index: int, plan: Plan) -> bool:
-        """A first-tier copy of an existing block, PUT from the caller's bytes (its `index`-th block), if room can
-        be made without dropping a store (`stage_loads=False`: loads did not stage it there). Only a block at
-        rest in slower tiers: while one of its copies is being written, a step of the chain that writes it may
-        still count on the first-tier copy it had (a failed PUT's write-through)."""
+        """A first-tier copy of a block a load read from a slower tier, PUT from the caller's bytes (its
+        `index`-th block), if room can be made without dropping a store. Only a block at rest in slower tiers:
+        while one of its copies is being written, a step of the chain that writes it may still count on the
+        first-tier copy it had (a failed PUT's write-through)."""
+        del self._read_below[block.key]
         first = self.tiers[0]
         if first.name in block.copies or any(c.state is not State.READY for c in block.copies.values()):
             return False
