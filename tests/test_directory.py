@@ -555,3 +555,20 @@ def test_store_on_second_sighting_stores_the_whole_chain_the_second_time() -> No
     second = done(d, d.plan_store(keys))
     assert [s.key for c in second.chains for s in c if s.op is Op.PUT] == keys  # not just the first block
     assert d.stats.admission_rejects[("host", "sightings")] == 1
+
+
+def test_unstaged_loads_read_disk_straight_and_their_next_store_promotes_what_they_read() -> None:
+    d = Directory([TierSpec("host", 2, 1, kind=TierKind.HOST), TierSpec("disk", 8, 1)], stage_loads=False)
+    for k in (b"a", b"b", b"c"):
+        done(d, d.plan_store([k]))  # the host holds 2: a is demoted to disk
+    assert d.residency(b"a") == {"disk": State.READY}
+    plan = d.plan_store([b"a"])  # stored again without being read: nothing to promote
+    assert not plan.chains and d.residency(b"a") == {"disk": State.READY}
+    load = done(d, d.plan_load([b"a"]))
+    assert [[(s.op, s.src, s.dst) for s in c] for c in load.chains] == [[(Op.GET, "disk", CALLER)]]
+    assert d.residency(b"a") == {"disk": State.READY}  # no host slot taken on the request's path
+    d.finish_load(load)
+    plan = done(d, d.plan_store([b"a"]))  # the request's store: a PUT from the caller's bytes, after a victim left
+    assert [s.op for c in plan.chains for s in c][-1] is Op.PUT
+    assert d.residency(b"a") == {"host": State.READY, "disk": State.READY} and d.lookup([b"a"]) == ["host"]
+    assert not done(d, d.plan_store([b"a"])).chains  # promoted once

@@ -48,11 +48,12 @@ def test_the_rollout_on_the_embedded_default(tmp_path, served_model):
             assert set(level["ttft_ms"]) == set(level["itl_ms"]) == {"p50", "p95", "p99"}
             same_as_the_clients(level)
     host_levels = steps["host"]["levels"]
-    found = sum(lv["kvtier"].get('kvtier_lookup_tokens_total{source="host"}', 0) for lv in host_levels)
-    assert found > 0, "the host tier held reused prefixes the engine had dropped"
-    # ... and served them, unless the load-or-recompute decision judged recomputing faster (timing: contention)
+    # lookup_tokens counts what a tier served; a hit the load-or-recompute decision declined (it judged recomputing
+    # faster: timing, contention) is counted as a decision of that tier instead
+    served = sum(lv["kvtier"].get('kvtier_lookup_tokens_total{source="host"}', 0) for lv in host_levels)
     declined = sum(lv["kvtier"].get(f'kvtier_load_decisions_total{{decision="{d}",tier="host"}}', 0)
                    for lv in host_levels for d in ("recompute", "partial"))
+    assert served > 0 or declined > 0, "the host tier held reused prefixes the engine had dropped"
     assert sum(lv["tokens"]["host"] for lv in host_levels) > 0 or declined > 0, "the host tier served prompt tokens"
     assert steps["headroom"]["mem_total_bytes"] > steps["headroom"]["server_rss_bytes"] > 0
     assert "tiers host" in steps["host"]["startup_line"] and "disk" in steps["host+disk"]["startup_line"]
