@@ -86,7 +86,8 @@ class Directory(SharedTierPlans):
 
     def plan_load(self, keys: Sequence[bytes], shared_end: int = 0, parent: bytes | None = None,
                   skip: AbstractSet[str] = frozenset()) -> Plan:
-        """Pin the readable prefix and plan its way to the caller; blocks in slower tiers are staged in the first.
+        """Pin the readable prefix and plan its way to the caller; blocks in slower tiers are staged in the first
+        (unless `stage_loads` is off: then read straight into the caller).
 
         `shared_end`: the shared tier holds `keys[:shared_end]` beyond the local prefix (the caller asked it,
         outside the directory); those blocks are fetched through the first tier after the local prefix, as far

@@ -275,7 +275,7 @@ def _priority(request: TraceRequest) -> int:
 
 def _load(sources: Sequence[str], directory: Directory | None, cost: CostModel, block_bytes: int, links: _Links,
           start: float) -> float:
-    """When the blocks from kvtier tiers are in the engine: cold reads staged through host, pipelined."""
+    """When the blocks from kvtier tiers are in the engine: cold reads pass through host memory, pipelined."""
     if not sources or directory is None:
         return start
     cold = Counter(s for s in sources if directory.kind(s) is not TierKind.HOST)
