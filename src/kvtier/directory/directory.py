@@ -109,10 +109,7 @@ class Directory(SharedTierPlans):
                 plan.chains.append([self._step(Op.GET, key, source, CALLER, src_slot=block.copies[source].slot,
                                                index=i)])
                 if source != first.name:
-                    self._read_below[key] = None
-                    self._read_below.move_to_end(key)
-                    if len(self._read_below) > max(1024, first.capacity_blocks):
-                        self._read_below.popitem(last=False)
+                    self._remember_read_below(key)
                 continue
             # another load is staging it (its slot is taken, its bytes not there yet), or there is no room
             room = None if first.name in block.copies else self._room(first, key, plan)
@@ -134,6 +131,14 @@ class Directory(SharedTierPlans):
                 first.policy.insert(block.key, block.priority)
         self._touch_chain([self._blocks[k] for k in plan.keys if k in self._blocks])
         return plan
+
+    def _remember_read_below(self, key: bytes) -> None:
+        """A block a load read from a slower tier, for its next store to promote (bounded: the oldest are
+        forgotten)."""
+        self._read_below[key] = None
+        self._read_below.move_to_end(key)
+        if len(self._read_below) > max(1024, self.tiers[0].capacity_blocks):
+            self._read_below.popitem(last=False)
 
     def finish_load(self, plan: Plan) -> None:
         """Unpin a load's prefix once the caller holds its bytes."""
