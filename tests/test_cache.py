@@ -179,6 +179,7 @@ def test_prometheus_families(tmp_path):
         assert family in text, family
     assert 'kvtier_lookup_tokens_total{source="host"} 32.0' in text
     assert 'kvtier_moves_total{dst="host",src="caller"} 2.0' in text
+    assert 'kvtier_admission_sightings_needed{tier="disk"} 1.0' in text  # min_sightings 1, as configured
 
 
 def test_wrong_block_shape_is_refused(tmp_path):

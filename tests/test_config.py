@@ -11,6 +11,7 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.config import ConfigError, parse_config
+from kvtier.sizing import tier_specs
 
 GOOD = {"cpu_bytes_to_use": 1 << 20, "block_size": 256}
 
@@ -47,6 +48,18 @@ def test_bad_tiers_name_the_field(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].root_dir: not a writable directory"):
         parse_config({**GOOD, "secondary_tiers": [{**fs(tmp_path), "root_dir": str(blocker / "kv")}]})
+
+
+def test_auto_sightings_are_for_disk_tiers(tmp_path):
+    auto = {"admission": {"min_sightings": "auto"}}
+    config = parse_config({**GOOD, "secondary_tiers": [fs(tmp_path, **auto)]})
+    disk = tier_specs(config, 4096)[1].admission
+    assert disk.adaptive and disk.sightings_needed == 2  # until blocks offered to the disk come back
+    redis = {"type": "redis", "url": "redis://127.0.0.1:6379", "max_bytes": 1 << 30, **auto}
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].admission: min_sightings: auto is for tiers below"):
+        parse_config({**GOOD, "secondary_tiers": [redis]})
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].admission.min_sightings"):
+        parse_config({**GOOD, "secondary_tiers": [fs(tmp_path, admission={"min_sightings": "often"})]})
 
 
 def test_vllm_and_tensorrt_names(tmp_path):

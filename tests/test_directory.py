@@ -52,14 +52,14 @@ def chain(path: Path) -> list[bytes]:
 
 @st.composite
 def tier_specs(draw: st.DrawFn) -> list[TierSpec]:
-    def admission() -> AdmissionRule:
-        return AdmissionRule(min_sightings=draw(st.integers(1, 2)))
+    def admission(adaptive: bool = False) -> AdmissionRule:
+        return AdmissionRule(min_sightings=draw(st.integers(1, 2)), adaptive=adaptive)
 
     specs = [TierSpec("host", draw(st.integers(4, 12)) * BLOCK, BLOCK, kind=TierKind.HOST,
                       policy=draw(st.sampled_from(POLICIES)), admission=admission())]
     for name in ["disk", "disk1"][: draw(st.integers(1, 2))]:
         specs.append(TierSpec(name, draw(st.integers(6, 20)) * BLOCK, BLOCK, policy=draw(st.sampled_from(POLICIES)),
-                              admission=admission(), write_through=draw(st.booleans())))
+                              admission=admission(draw(st.booleans())), write_through=draw(st.booleans())))
     return specs
 
 
@@ -572,3 +572,64 @@ def test_unstaged_loads_read_disk_straight_and_their_next_store_promotes_what_th
     assert [s.op for c in plan.chains for s in c][-1] is Op.PUT
     assert d.residency(b"a") == {"host": State.READY, "disk": State.READY} and d.lookup([b"a"]) == ["host"]
     assert not done(d, d.plan_store([b"a"])).chains  # promoted once
+
+
+# ---------------------------------------------------------------- admission that learns whether blocks come back
+
+
+def two_tiers(min_sightings: int = 2, adaptive: bool = False) -> Directory:
+    return Directory([TierSpec("host", 4, 1, kind=TierKind.HOST),
+                      TierSpec("disk", 64, 1, admission=AdmissionRule(min_sightings=min_sightings, adaptive=adaptive))],
+                     stage_loads=False)
+
+
+def serve(d: Directory, chain: list[bytes]) -> list[str]:
+    """What a request does: look the chain up, read what was found, store the whole chain."""
+    load = done(d, d.plan_load(chain))
+    d.finish_load(load)
+    done(d, d.plan_store(chain))
+    return load.sources
+
+
+def test_a_dropped_block_remembers_its_sightings_so_the_second_one_demotes_it() -> None:
+    d = two_tiers(min_sightings=2)
+    a = [b"a"]
+    serve(d, a)
+    for k in range(4):  # a leaves host, seen once: refused by the disk, dropped
+        serve(d, [bytes([k]) * 4])
+    assert a[0] not in d and d.stats.admission_rejects[("disk", "sightings")] >= 1
+    assert serve(d, a) == []  # a miss: the second sighting...
+    for k in range(4):
+        serve(d, [bytes([k]) * 5])
+    assert d.residency(a[0]) == {"disk": State.READY}  # ...demotes it when host evicts it again
+    assert serve(d, a) == ["disk"]
+
+
+def test_auto_sightings_keep_unique_traffic_off_the_disk_and_admit_first_sightings_once_blocks_come_back() -> None:
+    d = two_tiers(adaptive=True)
+    rule = d.tier["disk"].spec.admission
+    for i in range(40):  # unique chains: every block is offered to the disk once and never comes back
+        serve(d, [f"u{i}-{j}".encode() for j in range(3)])
+    assert rule.sightings_needed == 2 and d.keys_in("disk") == []
+    assert d.stats.planned_moves[("host", "disk")] == 0 and d.stats.admission_rejects[("disk", "sightings")] > 100
+
+    sessions = [[f"s{i}-{j}".encode() for j in range(2)] for i in range(8)]
+    for session in sessions:  # seen once, pushed out of host by the next, dropped
+        serve(d, session)
+    for session in sessions:  # they come back and no tier has them: the disk would have served them
+        assert serve(d, session) == []
+    assert rule.sightings_needed == 1  # 16 came back, 150 were offered
+    first_sighted = [[f"t{i}-{j}".encode() for j in range(2)] for i in range(8)]
+    for session in first_sighted:
+        serve(d, session)
+    assert serve(d, first_sighted[0]) == ["disk", "disk"]  # seen once, demoted, read back
+
+    for i in range(20_000):  # unique again: nothing comes back, and older evidence fades
+        serve(d, [f"v{i}".encode()])
+        if rule.sightings_needed == 2:
+            break
+    assert rule.sightings_needed == 2, "unique traffic kept the disk admitting first sightings"
+    written = d.stats.planned_moves[("host", "disk")]
+    for i in range(200):
+        serve(d, [f"w{i}".encode()])
+    assert d.stats.planned_moves[("host", "disk")] == written

@@ -52,7 +52,7 @@ class AdmissionConfig(_Strict):
     """Who gets into a tier. Defaults admit everything."""
 
     min_priority: Priority = 0
-    min_sightings: PositiveInt = 1  # 2 = "store on the second sighting"
+    min_sightings: PositiveInt | Literal["auto"] = 1  # 2 = "store on the second sighting"; auto: 1 while reused
     max_write_bytes_per_s: PositiveInt | None = None  # transfer budget of the tier's write path
 
 
@@ -129,6 +129,13 @@ class RedisTierConfig(_Strict):
         if path is not None and url is not None and urlsplit(url).scheme != "rediss":
             raise ValueError("needs a rediss:// url (TLS)")
         return path
+
+    @field_validator("admission")
+    @classmethod
+    def _no_auto_sightings(cls, admission: AdmissionConfig) -> AdmissionConfig:
+        if admission.min_sightings == "auto":  # it learns from evictions into the tier; redis is written through
+            raise ValueError("min_sightings: auto is for tiers below host (fs); give redis a number")
+        return admission
 
     def connection_kwargs(self) -> dict[str, Any]:
         """What RedisStore passes to redis-py beyond the URL: the TLS files, only when TLS is on."""

@@ -49,6 +49,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("failed_deletes", "counter", "Deletes that failed: their files may be left, and stay counted", ("tier",)),
     Family("tier_used_bytes", "gauge", "Bytes held by a tier", ("tier",)),
     Family("tier_capacity_bytes", "gauge", "Configured bytes of a tier", ("tier",)),
+    Family("admission_sightings_needed", "gauge", "Sightings a block needs to enter a tier now (`min_sightings: "
+           "auto` moves it between 1 and 2 as blocks offered to the tier come back or not)", ("tier",)),
     Family("tier_enabled", "gauge", "1 while a tier serves, 0 while the guard has it off or on probe", ("tier",)),
     Family("orphan_blocks", "gauge", "Blocks whose parent is in no tier (a bug if not 0)", ("tier",)),
     Family("guard_transitions", "counter", "The guard turned a tier off, on probe, or back on", ("tier", "to")),
@@ -168,7 +170,8 @@ class Metrics:
             **data_plane,
             "lookup_tokens": {k: v * self.block_tokens for k, v in d.stats.lookup_blocks.items()},
             "tiers": {name: {"used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
-                             "enabled": self.tier_enabled(name)} for name, u in d.usage().items()},
+                             "sightings_needed": u.sightings_needed, "enabled": self.tier_enabled(name)}
+                      for name, u in d.usage().items()},
             "evictions": {f"{t}/{r}": n for (t, r), n in d.stats.evictions.items()},
             "admission_rejects": {f"{t}/{r}": n for (t, r), n in d.stats.admission_rejects.items()},
             "stores_dropped": dict(dropped),
@@ -249,6 +252,7 @@ class _Collector:
         yield gauge("tier_used_bytes", {t: v["used_bytes"] for t, v in tiers.items()})
         yield gauge("tier_capacity_bytes", {t: v["capacity_bytes"] for t, v in tiers.items()})
         yield gauge("tier_enabled", {t: float(v["enabled"]) for t, v in tiers.items()})
+        yield gauge("admission_sightings_needed", {t: v.get("sightings_needed") for t, v in tiers.items()})
         yield gauge("orphan_blocks", snap["orphan_blocks_by_tier"])
         if m.guard is not None:
             yield counter("guard_transitions", pairs(snap["guard_transitions"]))

@@ -50,7 +50,9 @@ def shared_tier(config: KVTierConfig) -> tuple[str, RedisTierConfig] | None:
 
 
 def _rule(admission: AdmissionConfig) -> AdmissionRule:
-    return AdmissionRule(admission.min_priority, admission.min_sightings, admission.max_write_bytes_per_s)
+    auto = admission.min_sightings == "auto"
+    return AdmissionRule(admission.min_priority, 2 if auto else int(admission.min_sightings),
+                         admission.max_write_bytes_per_s, adaptive=auto)
 
 
 def tier_specs(config: KVTierConfig, payload_nbytes: int, world_size: int = 1) -> list[TierSpec]:

@@ -30,6 +30,7 @@ from kvtier.stores.base import TierKind
 class TierUsage:
     used_bytes: int
     capacity_bytes: int
+    sightings_needed: int  # by admission now: `min_sightings: auto` moves it between 1 and 2
 
 
 class Directory(SharedTierPlans):
@@ -71,7 +72,8 @@ class Directory(SharedTierPlans):
 
     def usage(self) -> dict[str, TierUsage]:
         """Bytes used and configured, per local tier: what the metrics of every driver export."""
-        return {t.name: TierUsage(t.used_bytes, t.capacity_bytes) for t in self.tiers}
+        return {t.name: TierUsage(t.used_bytes, t.capacity_bytes, t.spec.admission.sightings_needed)
+                for t in self.tiers}
 
     def drop_all(self) -> None:
         """Forget every block (the engine's weights changed): each leaves as any dropped block does, its copies
@@ -105,6 +107,8 @@ class Directory(SharedTierPlans):
         for i, (key, source) in enumerate(zip(plan.keys, sources)):
             block = self._blocks[key]
             block.seen += 1
+            if source != first.name:
+                self.tier[source].spec.admission.came_back()
             if source == first.name or not self.stage_loads:  # pinned: its copy there stays until the GET is done
                 plan.chains.append([self._step(Op.GET, key, source, CALLER, src_slot=block.copies[source].slot,
                                                index=i)])
@@ -266,6 +270,9 @@ class Directory(SharedTierPlans):
         if parent_key is not None and parent_key not in self._blocks:
             return "orphan"
         seen = self._sight(key)
+        if seen > 1:  # reuse that no tier held
+            for tier in self.tiers[1:]:
+                tier.spec.admission.came_back()
         reason = first.spec.admission.reject_reason(priority, seen, first.spec.block_bytes, self.clock())
         if reason is not None:
             self.stats.admission_rejects[(first.name, reason)] += 1

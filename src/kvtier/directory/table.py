@@ -117,9 +117,9 @@ class BlockTable:
     def pinned(self) -> list[bytes]:
         return [b.key for b in self._blocks.values() if b.pins]
 
-    def _sight(self, key: bytes) -> int:
-        """Count a sighting of a block not stored (bounded memory: the oldest sightings are forgotten)."""
-        seen = self._sightings.get(key, 0) + 1
+    def _sight(self, key: bytes, times: int = 1) -> int:
+        """Count sightings of a block not stored (bounded memory: the oldest sightings are forgotten)."""
+        seen = self._sightings.get(key, 0) + times
         self._sightings[key] = seen
         self._sightings.move_to_end(key)
         if len(self._sightings) > self._sightings_capacity:
@@ -267,6 +267,7 @@ class BlockTable:
         if (dst.name, block.key) in self._deleting:  # the delete of its old copy, run late, would undo this write
             self.stats.stores_dropped["deleting"] += 1
             return False
+        dst.spec.admission.offered()
         reason = dst.spec.admission.reject_reason(block.priority, block.seen, dst.spec.block_bytes, self.clock())
         if reason is not None:
             self.stats.admission_rejects[(dst.name, reason)] += 1
@@ -319,6 +320,7 @@ class BlockTable:
             b = stack.pop()
             if self._blocks.pop(b.key, None) is None:
                 continue
+            self._sight(b.key, b.seen)  # when it comes back, "the second sighting" counts what it was seen before
             if self.on_change is not None:
                 self.on_change(b.key, None, False)
             if b.parent is not None and (parent := self._blocks.get(b.parent)) is not None and parent.children:

@@ -74,7 +74,8 @@ def host_config(block_tokens: int, host_bytes: int) -> dict[str, Any]:
 
 
 def builtin_configs(block_tokens: int, host_bytes: int, disk_bytes: int, with_priority: bool) -> list[SimConfig]:
-    """One change at a time: engine only, + host (each policy, second-sighting admission), + host + disk."""
+    """One change at a time: engine only, + host (each policy, second-sighting admission), + host + disk (each
+    disk admission)."""
     host = host_config(block_tokens, host_bytes)
     disk = {"type": "fs", "root_dir": DISK_ROOT, "max_bytes": disk_bytes}
     configs = [
@@ -90,5 +91,7 @@ def builtin_configs(block_tokens: int, host_bytes: int, disk_bytes: int, with_pr
         SimConfig("+ host + disk", {**host, "secondary_tiers": [disk]}),
         SimConfig("+ host + disk (disk: 2nd sighting)",
                   {**host, "secondary_tiers": [{**disk, "admission": {"min_sightings": 2}}]}),
+        SimConfig("+ host + disk (disk: auto)",
+                  {**host, "secondary_tiers": [{**disk, "admission": {"min_sightings": "auto"}}]}),
     ]
     return configs

@@ -261,6 +261,7 @@ class SchedulerSide:
             "gauges": {
                 "tier_used_bytes": {name: u.used_bytes for name, u in usage.items()},
                 "tier_capacity_bytes": {name: u.capacity_bytes for name, u in usage.items()},
+                "admission_sightings_needed": {name: u.sightings_needed for name, u in usage.items()},
                 "orphan_blocks": self._audit_orphans(),
             },
         }
