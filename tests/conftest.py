@@ -17,6 +17,11 @@ def shape() -> tuple[int, ...]:
     return SHAPE
 
 
+# The disk tests test the disk path, not its admission: every block that host evicts goes down (the default,
+# `min_sightings: auto`, demotes first sightings only once blocks are seen coming back).
+DEMOTE_ALL = {"admission": {"min_sightings": 1}}
+
+
 def make_config(tmp_path, host_blocks: int, disk_blocks: int | None = None, dtype=torch.bfloat16, **disk_extra):
     block = 1
     for d in SHAPE:
@@ -25,7 +30,8 @@ def make_config(tmp_path, host_blocks: int, disk_blocks: int | None = None, dtyp
     data = {"cpu_bytes_to_use": host_blocks * block, "block_size": 16}
     if disk_blocks is not None:
         data["secondary_tiers"] = [
-            {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": disk_blocks * (block + 4096), **disk_extra}
+            {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": disk_blocks * (block + 4096),
+             **DEMOTE_ALL, **disk_extra}
         ]
     return parse_config(data)
 

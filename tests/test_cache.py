@@ -13,7 +13,7 @@ import torch
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
 from kvtier.keys import chain_keys
-from tests.conftest import SHAPE, make_config, random_blocks, same_bytes
+from tests.conftest import DEMOTE_ALL, SHAPE, make_config, random_blocks, same_bytes
 
 
 def keys_for(n: int, salt: int = 0) -> list[bytes]:
@@ -265,7 +265,7 @@ def test_disk_moves_start_no_openmp_team(tmp_path):
         torch.ones(1 << 22).add_(1)  # this thread's own team, as the engine's thread has one
         block = 2 * 2 * 8 * 64 * 128 * 2
         config = parse_config({"cpu_bytes_to_use": 8 * block, "block_size": 16, "secondary_tiers": [
-            {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 200 * (block + 4096)}]})
+            {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "kv"), "max_bytes": 200 * (block + 4096)}]})
         gen = torch.Generator().manual_seed(7)
         with TieredCache(config, shape, torch.bfloat16, model="test") as cache:
             before = _native_threads_beyond_python()

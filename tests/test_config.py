@@ -50,13 +50,17 @@ def test_bad_tiers_name_the_field(tmp_path):
         parse_config({**GOOD, "secondary_tiers": [{**fs(tmp_path), "root_dir": str(blocker / "kv")}]})
 
 
-def test_auto_sightings_are_for_disk_tiers(tmp_path):
-    auto = {"admission": {"min_sightings": "auto"}}
-    config = parse_config({**GOOD, "secondary_tiers": [fs(tmp_path, **auto)]})
-    disk = tier_specs(config, 4096)[1].admission
+def test_a_disk_tier_admits_on_auto_sightings_unless_told_a_number(tmp_path):
+    budget_only = fs(tmp_path, admission={"max_write_bytes_per_s": 1 << 30})
+    every = {**fs(tmp_path), "root_dir": str(tmp_path / "kv1"), "admission": {"min_sightings": 1}}
+    config = parse_config({**GOOD, "secondary_tiers": [budget_only, every]})
+    host, disk, disk1 = (spec.admission for spec in tier_specs(config, 4096))
     assert disk.adaptive and disk.sightings_needed == 2  # until blocks offered to the disk come back
-    redis = {"type": "redis", "url": "redis://127.0.0.1:6379", "max_bytes": 1 << 30, **auto}
-    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].admission: min_sightings: auto is for tiers below"):
+    assert not disk1.adaptive and disk1.sightings_needed == 1
+    assert not host.adaptive and host.sightings_needed == 1
+    redis = {"type": "redis", "url": "redis://127.0.0.1:6379", "max_bytes": 1 << 30,
+             "admission": {"min_sightings": "auto"}}  # written through at store time: nothing to learn from
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].admission.min_sightings"):
         parse_config({**GOOD, "secondary_tiers": [redis]})
     with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].admission.min_sightings"):
         parse_config({**GOOD, "secondary_tiers": [fs(tmp_path, admission={"min_sightings": "often"})]})

@@ -27,6 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
 from tests.connector_harness import P, Engine, Request
+from tests.conftest import DEMOTE_ALL
 
 SHAPE, DT = (4, 1024), torch.uint8  # a block: 4 KiB
 KILLS = 50
@@ -39,7 +40,7 @@ def content(key: bytes) -> torch.Tensor:
 
 def disk_config(root, host_blocks: int, disk_blocks: int, **extra):
     return parse_config({"cpu_bytes_to_use": host_blocks * P, "block_size": 16, "secondary_tiers": [
-        {"type": "fs", "root_dir": str(root), "max_bytes": disk_blocks * (P + 4096), **extra}]})
+        {"type": "fs", **DEMOTE_ALL, "root_dir": str(root), "max_bytes": disk_blocks * (P + 4096), **extra}]})
 
 
 # ---------------------------------------------------------------- kill -9 while writing
@@ -251,7 +252,8 @@ class ConnectorMachine(RuleBasedStateMachine):
 
     def _engine(self) -> Engine:
         config = parse_config({"cpu_bytes_to_use": 4 * P * self.ranks, "block_size": 16, "engine_block_size": 16,
-                               "secondary_tiers": [{"type": "fs", "root_dir": self.root, "max_bytes": 10 * (P + 4096)}]})
+                               "secondary_tiers": [{"type": "fs", **DEMOTE_ALL,
+                                                    "root_dir": self.root, "max_bytes": 10 * (P + 4096)}]})
         engine = Engine(config, world_size=self.ranks, num_blocks=32)
         for worker in engine.workers:
             disk = worker.stores.local["disk"]

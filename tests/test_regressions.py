@@ -26,6 +26,7 @@ from kvtier.stores.base import TierKind
 from kvtier.stores.disk import DiskStore
 from kvtier.stores.redis import RedisStore
 from tests.connector_harness import STEP, loading_all
+from tests.conftest import DEMOTE_ALL
 
 SHAPE, DT, P = (4, 1024), torch.uint8, 4096  # one block: 4 KiB of uint8
 
@@ -124,8 +125,8 @@ def test_a_promoted_block_dropped_while_making_room_never_enters_a_policy():
 
 def two_disk_config(tmp_path, disk_blocks: int = 2, disk1_blocks: int = 8):
     return parse_config({"cpu_bytes_to_use": 2 * P, "block_size": 16, "secondary_tiers": [
-        {"type": "fs", "root_dir": str(tmp_path / "d0"), "max_bytes": disk_blocks * (P + 4096)},
-        {"type": "fs", "root_dir": str(tmp_path / "d1"), "max_bytes": disk1_blocks * (P + 4096)}]})
+        {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "d0"), "max_bytes": disk_blocks * (P + 4096)},
+        {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "d1"), "max_bytes": disk1_blocks * (P + 4096)}]})
 
 
 def test_a_second_fs_tier_takes_demotions_and_serves_them_exactly(tmp_path):
@@ -144,7 +145,7 @@ def test_a_second_fs_tier_takes_demotions_and_serves_them_exactly(tmp_path):
 def test_an_exception_in_a_mover_thread_fails_its_step_and_leaks_nothing(tmp_path):
     """exp2: a non-OSError in a mover chain abandoned the chain unreported: a copy stayed WRITING forever."""
     config = parse_config({"cpu_bytes_to_use": 2 * P, "block_size": 16, "secondary_tiers": [
-        {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 8 * (P + 4096)}]})
+        {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "kv"), "max_bytes": 8 * (P + 4096)}]})
     with TieredCache(config, SHAPE, DT, model="test") as cache:
         real_write = DiskStore.write
 
@@ -172,7 +173,8 @@ def test_a_failed_demotion_never_sends_other_bytes_through_to_the_shared_tier(tm
     """exp3, exp3b: the chain abandoned by an exception still ran its write-through, which sent whatever the
     host slot held (another block's bytes) with a valid checksum: engine B loaded wrong KV."""
     def config(disk: bool, host_blocks: int):
-        tiers = [{"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 8 * (P + 4096)}] if disk else []
+        tiers = [{"type": "fs", **DEMOTE_ALL,
+                  "root_dir": str(tmp_path / "kv"), "max_bytes": 8 * (P + 4096)}] if disk else []
         tiers.append({"type": "redis", "url": redis_server.url, "max_bytes": 64 * (P + 600)})
         return parse_config({"cpu_bytes_to_use": host_blocks * P, "block_size": 16, "secondary_tiers": tiers})
 
@@ -244,7 +246,8 @@ def test_a_restart_with_tensor_parallelism_recovers_and_bounds_every_rank(tmp_pa
     stayed."""
     geo = geometry(world_size=2)
     config = parse_config({"cpu_bytes_to_use": 2 * 4 * P, "block_size": 16, "engine_block_size": 16,
-                           "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path), "max_bytes": 2 * (P + 4096)}]})
+                           "secondary_tiers": [{"type": "fs", **DEMOTE_ALL,
+                                                "root_dir": str(tmp_path), "max_bytes": 2 * (P + 4096)}]})
     keys = [bytes([i]) * 34 for i in range(1, 7)]
     for rank in (0, 1):
         store = DiskStore(tmp_path, geo.namespace(rank), rank, P)
@@ -270,12 +273,12 @@ def test_a_restart_never_plans_copies_it_does_not_run(tmp_path):
     def config(tiers):
         return parse_config({"cpu_bytes_to_use": P, "block_size": 16, "secondary_tiers": tiers})
 
-    d0 = {"type": "fs", "root_dir": str(tmp_path / "d0"), "max_bytes": 4 * (P + 4096)}
+    d0 = {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "d0"), "max_bytes": 4 * (P + 4096)}
     with TieredCache(config([d0]), SHAPE, DT, model="test") as cache:
         for i in range(5):
             cache.store([b"k%d" % i], [torch.full(SHAPE, i, dtype=DT)])
             cache.flush()
-    d1 = {"type": "fs", "root_dir": str(tmp_path / "d1"), "max_bytes": 4 * (P + 4096)}
+    d1 = {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "d1"), "max_bytes": 4 * (P + 4096)}
     with TieredCache(config([{**d0, "max_bytes": 2 * (P + 4096)}, d1]), SHAPE, DT, model="test") as cache:
         files = sum(1 for p in (tmp_path / "d1").rglob("*.kv"))
         assert cache.directory.tier["disk1"].used_blocks == files
@@ -287,7 +290,8 @@ def test_a_restart_never_plans_copies_it_does_not_run(tmp_path):
 def test_two_engines_on_one_root_dir_cannot_exceed_its_bound(tmp_path):
     """exp5: two engines on one root_dir each bounded only their own files: bytes on disk were 2 x max_bytes."""
     config = parse_config({"cpu_bytes_to_use": P, "block_size": 16, "secondary_tiers": [
-        {"type": "fs", "root_dir": str(tmp_path), "max_bytes": 4 * (P + 4096), "write_policy": "write_through"}]})
+        {"type": "fs", **DEMOTE_ALL,
+         "root_dir": str(tmp_path), "max_bytes": 4 * (P + 4096), "write_policy": "write_through"}]})
     with TieredCache(config, SHAPE, DT, model="test") as first:
         with pytest.raises(ValueError, match="root_dir"):
             TieredCache(config, SHAPE, DT, model="test")
@@ -314,7 +318,7 @@ def test_an_overridden_hit_leaves_no_promise_behind(tmp_path):
 def test_an_asynchronous_load_never_runs_on_the_engine_thread(tmp_path):
     """exp13 (a): a disk hit is declared asynchronous to vLLM, but the worker ran it inside start_load_kv."""
     config = parse_config({"cpu_bytes_to_use": 2 * P, "block_size": 16, "engine_block_size": 16, "secondary_tiers": [
-        {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 8 * (P + 4096)}]})
+        {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "kv"), "max_bytes": 8 * (P + 4096)}]})
     engine = Engine(config)
     try:
         for i in range(3):  # three one-block requests: host holds 2, the first is demoted to disk
@@ -407,7 +411,7 @@ def test_failed_disk_deletes_keep_their_bytes_counted(tmp_path):
     """Found by reading: a delete that failed still freed its bytes in the directory, so the files on disk
     exceeded max_bytes."""
     config = parse_config({"cpu_bytes_to_use": P, "block_size": 16, "secondary_tiers": [
-        {"type": "fs", "root_dir": str(tmp_path), "max_bytes": 2 * (P + 4096)}]})
+        {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path), "max_bytes": 2 * (P + 4096)}]})
     with TieredCache(config, SHAPE, DT, model="test") as cache:
         disk = cache.stores["disk"]
         real_delete = disk.delete
@@ -431,7 +435,8 @@ def test_a_cache_reset_leaves_no_tier_serving_the_old_kv(tmp_path):
     """Found by reading: the connector did not implement reset_cache, so vLLM's reset_prefix_cache after a
     weight update left every tier serving KV of the old weights."""
     config = parse_config({"cpu_bytes_to_use": 4 * P, "block_size": 16, "engine_block_size": 16, "secondary_tiers": [
-        {"type": "fs", "root_dir": str(tmp_path), "max_bytes": 8 * (P + 4096), "write_policy": "write_through"}]})
+        {"type": "fs", **DEMOTE_ALL,
+         "root_dir": str(tmp_path), "max_bytes": 8 * (P + 4096), "write_policy": "write_through"}]})
     engine = Engine(config)
     try:
         hashes = [bytes([i]) * 32 for i in range(1, 4)]
@@ -455,7 +460,8 @@ def test_a_cache_with_a_persistent_tier_must_name_its_model(tmp_path):
     """Found by reading: TieredCache named every model "in-process", so a disk tier served blocks of another
     model with the same block shape after a restart."""
     config = parse_config({"cpu_bytes_to_use": 2 * P, "block_size": 16, "secondary_tiers": [
-        {"type": "fs", "root_dir": str(tmp_path), "max_bytes": 8 * (P + 4096), "write_policy": "write_through"}]})
+        {"type": "fs", **DEMOTE_ALL,
+         "root_dir": str(tmp_path), "max_bytes": 8 * (P + 4096), "write_policy": "write_through"}]})
     with pytest.raises(ValueError, match="model"):
         TieredCache(config, SHAPE, DT)
     with TieredCache(config, SHAPE, DT, model="weights A") as a:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.conftest import DEMOTE_ALL
 
 ROOT = Path(__file__).resolve().parent.parent
 vllm = pytest.importorskip("vllm") if os.environ.get("CI") != "true" else __import__("vllm")
@@ -81,7 +82,8 @@ def test_host_tier_restores_exactly(tiny_model, engine_only, tmp_path):
 
 def test_a_prefix_cache_reset_reaches_every_tier(tiny_model, engine_only, tmp_path):
     """After vLLM's reset_prefix_cache (a weight update), nothing stored before is served: A is recomputed."""
-    disk = {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20, "write_policy": "write_through"}
+    disk = {"type": "fs", **DEMOTE_ALL,
+            "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20, "write_policy": "write_through"}
     out = run(tiny_model, {"cpu_bytes_to_use": 256 << 20, "secondary_tiers": [disk]}, *EVICT[:-1], "!reset", "A")
     assert out[-1]["cached"] == 0
     assert out[-1]["tokens"] == engine_only[0]["tokens"] and out[-1]["logprobs"] == engine_only[0]["logprobs"]
@@ -91,7 +93,7 @@ def test_aborts_and_preemptions_leak_nothing_and_later_hits_stay_exact(tiny_mode
     """vLLM preempts (4 requests of 1,900 + 300 tokens against 48 blocks of 128) and two requests are aborted
     while kvtier loads and stores: afterwards no block is held by anyone, and A served from kvtier is vLLM's own
     hit, bit for bit."""
-    disk = {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20}
+    disk = {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20}
     config = {"cpu_bytes_to_use": 16 << 20, "secondary_tiers": [disk]}  # 32 blocks of host: disk has work too
     proc = subprocess.run([sys.executable, "-m", "tests.vllm.aborts", tiny_model, json.dumps(config)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600,
@@ -115,7 +117,7 @@ def test_host_tier_in_a_separate_engine_process(tiny_model, engine_only):
 
 def test_disk_tier_restores_exactly_and_survives_a_restart(tiny_model, engine_only, tmp_path):
     config = {"cpu_bytes_to_use": 4 << 20,  # 8 blocks: A's blocks must come back from disk
-              "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 1 << 30}]}
+              "secondary_tiers": [{"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "kv"), "max_bytes": 1 << 30}]}
     out = run(tiny_model, config, *EVICT)
     assert out[-1]["cached"] == 1920 and max_diff(out[-1], engine_only[-1]) == 0.0
     second = run(tiny_model, config, "A")  # a new engine process: the prefix comes from the disk tier
@@ -125,7 +127,7 @@ def test_disk_tier_restores_exactly_and_survives_a_restart(tiny_model, engine_on
 
 def test_corrupt_disk_block_is_recomputed_not_served(tiny_model, engine_only, tmp_path):
     root = tmp_path / "kv"
-    config = {"cpu_bytes_to_use": 4 << 20, "secondary_tiers": [{"type": "fs", "root_dir": str(root),
+    config = {"cpu_bytes_to_use": 4 << 20, "secondary_tiers": [{"type": "fs", **DEMOTE_ALL, "root_dir": str(root),
                                                                 "max_bytes": 1 << 30, "write_policy": "write_through"}]}
     run(tiny_model, config, "A")
     files = sorted(root.rglob("*.kv"))
@@ -258,7 +260,7 @@ def exact_by_cached_length(requests: list[dict]) -> None:
 
 def test_the_guard_turns_a_slow_disk_off_keeps_host_on_and_brings_the_disk_back_through_a_probe(tiny_model,
                                                                                                  tmp_path):
-    disk = {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20}
+    disk = {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20}
     config = {"cpu_bytes_to_use": 8 << 20, "load_policy": "always", "secondary_tiers": [disk], "guard": GUARD}
     found = slowed(tiny_model, config, delay_s=0.6)
     requests, transitions = found["requests"], found["transitions"]
@@ -283,7 +285,7 @@ def test_the_guard_turns_a_slow_disk_off_keeps_host_on_and_brings_the_disk_back_
 
 
 def test_the_decision_recomputes_what_a_slow_disk_would_serve_late(tiny_model, tmp_path):
-    disk = {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20}
+    disk = {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20}
     found = slowed(tiny_model, {"cpu_bytes_to_use": 8 << 20, "secondary_tiers": [disk]}, delay_s=0.4, requests=16)
     slow = [r for r in found["requests"] if r["phase"] == "slow"]
     from_disk = [r for r in slow if r["disk_blocks"]]

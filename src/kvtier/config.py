@@ -52,8 +52,15 @@ class AdmissionConfig(_Strict):
     """Who gets into a tier. Defaults admit everything."""
 
     min_priority: Priority = 0
-    min_sightings: PositiveInt | Literal["auto"] = 1  # 2 = "store on the second sighting"; auto: 1 while reused
+    min_sightings: PositiveInt = 1  # 2 = "store on the second sighting"
     max_write_bytes_per_s: PositiveInt | None = None  # transfer budget of the tier's write path
+
+
+class DiskAdmissionConfig(AdmissionConfig):
+    """A disk tier admits what host evicts. `auto`: on the first sighting while blocks offered to it come back,
+    on the second otherwise, so that unique traffic does not write every block it evicts."""
+
+    min_sightings: PositiveInt | Literal["auto"] = "auto"
 
 
 class FsTierConfig(_Strict):
@@ -66,7 +73,7 @@ class FsTierConfig(_Strict):
     n_write_threads: PositiveInt = 8
     eviction_policy: PolicyName = "lru"
     write_policy: Literal["write_back", "write_through"] = "write_back"
-    admission: AdmissionConfig = AdmissionConfig()
+    admission: DiskAdmissionConfig = DiskAdmissionConfig()
     o_direct: bool = True
 
     @field_validator("root_dir")
@@ -129,13 +136,6 @@ class RedisTierConfig(_Strict):
         if path is not None and url is not None and urlsplit(url).scheme != "rediss":
             raise ValueError("needs a rediss:// url (TLS)")
         return path
-
-    @field_validator("admission")
-    @classmethod
-    def _no_auto_sightings(cls, admission: AdmissionConfig) -> AdmissionConfig:
-        if admission.min_sightings == "auto":  # it learns from evictions into the tier; redis is written through
-            raise ValueError("min_sightings: auto is for tiers below host (fs); give redis a number")
-        return admission
 
     def connection_kwargs(self) -> dict[str, Any]:
         """What RedisStore passes to redis-py beyond the URL: the TLS files, only when TLS is on."""

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                     "block_bytes": nbytes, "blocks": args.blocks}
     with tempfile.TemporaryDirectory(prefix="kvtier-gpu-check-") as root:
         config = parse_config({"cpu_bytes_to_use": 2 * args.blocks * round_up(nbytes), "block_size": args.block_tokens,
-                               "secondary_tiers": [{"type": "fs", "root_dir": root,
+                               "secondary_tiers": [{"type": "fs", "root_dir": root, "admission": {"min_sightings": 1},
                                                     "max_bytes": 4 * args.blocks * (nbytes + 8192)}]})
         with TieredCache(config, shape, torch.bfloat16, model="gpu-check") as cache:
             result["pinned"] = bool(getattr(cache.stores.host, "pinned", False))

@@ -76,8 +76,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                               description="Replays the trace through kvtier's directory (the runtime's own code) "
                               "behind an LRU engine cache, on a virtual clock with a cost model. Without --config: "
                               "engine only, + host (lru, arc, s3fifo, 2nd-sighting admission; priority when the "
-                              "trace has priorities), + host + disk (and with the disk's admission on the 2nd "
-                              "sighting, and auto: the 1st while blocks come back).")
+                              "trace has priorities), + host + disk (its admission auto: on the 1st sighting while "
+                              "blocks come back; and on the 1st, and on the 2nd).")
     deployment(simulate)
     simulate.add_argument("--config", type=Path, action="append", metavar="FILE",
                           help="a kvtier config JSON (or a whole --kv-transfer-config); repeat to compare several")

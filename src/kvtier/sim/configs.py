@@ -88,10 +88,9 @@ def builtin_configs(block_tokens: int, host_bytes: int, disk_bytes: int, with_pr
     if with_priority:
         configs.append(SimConfig("+ host (priority)", {**host, "eviction_policy": "priority"}))
     configs += [
-        SimConfig("+ host + disk", {**host, "secondary_tiers": [disk]}),
-        SimConfig("+ host + disk (disk: 2nd sighting)",
-                  {**host, "secondary_tiers": [{**disk, "admission": {"min_sightings": 2}}]}),
-        SimConfig("+ host + disk (disk: auto)",
-                  {**host, "secondary_tiers": [{**disk, "admission": {"min_sightings": "auto"}}]}),
+        SimConfig("+ host + disk", {**host, "secondary_tiers": [disk]}),  # the disk's admission: auto
+        *(SimConfig(f"+ host + disk (disk: {name} sighting)",
+                    {**host, "secondary_tiers": [{**disk, "admission": {"min_sightings": n}}]})
+          for name, n in (("1st", 1), ("2nd", 2))),
     ]
     return configs

@@ -1,14 +1,13 @@
 """The connector's scheduler half: the directory. It decides; it never touches bytes.
 
-Keys are vLLM's own `request.block_hashes` (the last engine hash of each kvtier block, group 0), never
-re-hashed. A hit is promised to vLLM only for blocks readable now, pinned until the workers report them. Host
-hits load synchronously, before the forward of the step that computes the rest of the prompt (a memory copy
-is cheaper than vLLM's asynchronous round trip); hits in slower tiers load asynchronously. A disk tier's
-blocks are read straight into the engine's blocks, and the request's store promotes them into host. The shared
-tier's are staged through host: when every host slot is held by a transfer, such a load stages fewer blocks
-than promised, and vLLM recomputes the rest (counted as the load's shortfall). Stores happen when a request
-finishes: its blocks are held (`request_finished` returns True) until the workers have copied them out, so a
-store never reads a block vLLM has reused.
+Keys are vLLM's own `request.block_hashes` (the last engine hash of each kvtier block, group 0), never re-hashed. A
+hit is promised to vLLM only for blocks readable now, pinned until the workers report them. Host hits load
+synchronously, before the forward of the step that computes the rest of the prompt (a memory copy is cheaper than
+vLLM's asynchronous round trip); hits in slower tiers load asynchronously. A disk tier's blocks are read straight
+into the engine's, and promoted into host by the request's store. The shared tier's are staged through host: when
+every host slot is held by a transfer, such a load stages fewer blocks than promised, and vLLM recomputes the rest
+(counted as the load's shortfall). Stores happen when a request finishes: its blocks are held (`request_finished`
+returns True) until the workers have copied them out, so a store never reads a block vLLM has reused.
 
 A shared tier (Redis) is asked for the blocks after the local prefix on a thread of our own: until it
 answers, `get_num_new_matched_tokens` returns None and vLLM keeps the request waiting, so the scheduler never
