@@ -89,7 +89,7 @@ def builtin_configs(block_tokens: int, host_bytes: int, disk_bytes: int, with_pr
         configs.append(SimConfig("+ host (priority)", {**host, "eviction_policy": "priority"}))
     configs += [
         SimConfig("+ host + disk", {**host, "secondary_tiers": [disk]}),  # the disk's admission: auto
-        *(SimConfig(f"+ host + disk (disk: {name} sighting)",
+        *(SimConfig(f"+ host + disk ({name} sighting)",
                     {**host, "secondary_tiers": [{**disk, "admission": {"min_sightings": n}}]})
           for name, n in (("1st", 1), ("2nd", 2))),
     ]
