@@ -48,6 +48,10 @@ class AdmissionRule:
         return None
 
     @property
+    def counts_sightings(self) -> bool:
+        return self.adaptive or self.min_sightings > 1
+
+    @property
     def sightings_needed(self) -> int:
         if self.adaptive and self._returns >= REUSE_TO_ADMIT * max(self._offers, 1.0):
             return 1

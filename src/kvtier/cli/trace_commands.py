@@ -77,7 +77,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                               "behind an LRU engine cache, on a virtual clock with a cost model. Without --config: "
                               "engine only, + host (lru, arc, s3fifo, 2nd-sighting admission; priority when the "
                               "trace has priorities), + host + disk (its admission auto: on the 1st sighting while "
-                              "blocks come back; and on the 1st, and on the 2nd).")
+                              "blocks come back; and always on the 1st).")
     deployment(simulate)
     simulate.add_argument("--config", type=Path, action="append", metavar="FILE",
                           help="a kvtier config JSON (or a whole --kv-transfer-config); repeat to compare several")

@@ -28,6 +28,7 @@ class SharedTierPlans(BlockTable):
                  sightings_capacity: int | None = None, shared: SharedSpec | None = None) -> None:
         super().__init__(tiers, clock, sightings_capacity)
         self.shared = shared
+        self._sightings_count |= shared is not None and shared.admission.counts_sightings
         self._pinning: set[int] = set()  # write-through steps in flight: each pins its block
 
     def _offer_shared(self, block: Block, chains: list, new: bool) -> bool:

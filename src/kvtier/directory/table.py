@@ -42,6 +42,7 @@ class BlockTable:
         self._ids = itertools.count(1)
         self._sightings: OrderedDict[bytes, int] = OrderedDict()  # blocks seen but not stored: admission
         self._sightings_capacity = max(1024, sightings_capacity or 4 * sum(t.capacity_blocks for t in self.tiers))
+        self._sightings_count = any(t.admission.counts_sightings for t in tiers)  # else a dropped block's go
         # bookkeeping by step id, until the step completes
         self._holding: set[int] = set()  # the step reads a copy it holds (one of its readers)
         self._accounted: set[int] = set()  # a delete whose bytes still count against its tier
@@ -320,7 +321,8 @@ class BlockTable:
             b = stack.pop()
             if self._blocks.pop(b.key, None) is None:
                 continue
-            self._sight(b.key, b.seen)  # when it comes back, "the second sighting" counts what it was seen before
+            if self._sightings_count:  # when it comes back, "the second sighting" counts what it was seen before
+                self._sight(b.key, b.seen)
             if self.on_change is not None:
                 self.on_change(b.key, None, False)
             if b.parent is not None and (parent := self._blocks.get(b.parent)) is not None and parent.children:

@@ -27,6 +27,10 @@ class SimConfig:
     name: str
     extra: dict[str, Any] | None  # kv_connector_extra_config; None = engine only
 
+    def tiers(self) -> int:
+        """Tiers beyond the engine's: what a replay's time grows with."""
+        return 0 if self.extra is None else 1 + len(self.extra.get("secondary_tiers") or [])
+
     def validated(self, scratch: Path) -> KVTierConfig | None:
         """The runtime's config object for this JSON, with fs tiers pointed at `scratch`."""
         if self.extra is None:
@@ -74,8 +78,8 @@ def host_config(block_tokens: int, host_bytes: int) -> dict[str, Any]:
 
 
 def builtin_configs(block_tokens: int, host_bytes: int, disk_bytes: int, with_priority: bool) -> list[SimConfig]:
-    """One change at a time: engine only, + host (each policy, second-sighting admission), + host + disk (each
-    disk admission)."""
+    """One change at a time: engine only, + host (each policy, second-sighting admission), + host + disk (the
+    disk's admission auto, and on the 1st sighting)."""
     host = host_config(block_tokens, host_bytes)
     disk = {"type": "fs", "root_dir": DISK_ROOT, "max_bytes": disk_bytes}
     configs = [
@@ -88,9 +92,9 @@ def builtin_configs(block_tokens: int, host_bytes: int, disk_bytes: int, with_pr
     if with_priority:
         configs.append(SimConfig("+ host (priority)", {**host, "eviction_policy": "priority"}))
     configs += [
-        SimConfig("+ host + disk", {**host, "secondary_tiers": [disk]}),  # the disk's admission: auto
-        *(SimConfig(f"+ host + disk ({name} sighting)",
-                    {**host, "secondary_tiers": [{**disk, "admission": {"min_sightings": n}}]})
-          for name, n in (("1st", 1), ("2nd", 2))),
+        # the disk's admission as by default (auto), and admitting every eviction: what auto's caution costs
+        SimConfig("+ host + disk", {**host, "secondary_tiers": [disk]}),
+        SimConfig("+ host + disk (1st sighting)",
+                  {**host, "secondary_tiers": [{**disk, "admission": {"min_sightings": 1}}]}),
     ]
     return configs

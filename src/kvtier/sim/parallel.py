@@ -24,9 +24,10 @@ _replayed: Any = None  # the shared count of replayed requests, over all childre
 
 
 def map_configs(replay: Callable[[C, Tick | None], R], configs: Sequence[C], on_request: Tick | None = None,
-                workers: int | None = None) -> list[R]:
+                workers: int | None = None, weight: Callable[[C], float] | None = None) -> list[R]:
     """`[replay(c, tick) for c in configs]`, in up to `workers` processes (default: one per core); `on_request`
-    is called once per replayed request of any configuration, in this process."""
+    is called once per replayed request of any configuration, in this process. `weight`: how long a
+    configuration takes, roughly; the heaviest start first, so that no process is left with the last two."""
     workers = min(len(configs), workers or os.cpu_count() or 1)
     if workers <= 1 or "fork" not in mp.get_all_start_methods():
         return [replay(config, on_request) for config in configs]
@@ -35,7 +36,9 @@ def map_configs(replay: Callable[[C, Tick | None], R], configs: Sequence[C], on_
     _replay, _replayed = replay, context.Value("q", 0)
     try:
         with ProcessPoolExecutor(workers, mp_context=context) as pool:
-            futures = [pool.submit(_child, config) for config in configs]
+            heaviest = sorted(range(len(configs)), key=lambda i: -weight(configs[i])) if weight else range(len(configs))
+            submitted = {i: pool.submit(_child, configs[i]) for i in heaviest}
+            futures = [submitted[i] for i in range(len(configs))]
             seen = 0
             while True:
                 done, _ = wait(futures, timeout=_POLL_S)

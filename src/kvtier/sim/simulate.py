@@ -166,7 +166,7 @@ def simulate(
         def replay(config: SimConfig, tick: Callable[[], None] | None) -> SimResult:
             return _run(requests, keys, config, deployment, Path(scratch), tick, guard)
 
-        return map_configs(replay, configs, on_request, workers)
+        return map_configs(replay, configs, on_request, workers, weight=SimConfig.tiers)
 
 
 def _run(
