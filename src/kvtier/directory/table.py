@@ -41,7 +41,10 @@ class BlockTable:
         self._deleting: Counter[tuple[str, bytes]] = Counter()  # (tier, key) deletes in flight: no rewrite meanwhile
         self._ids = itertools.count(1)
         self._sightings: OrderedDict[bytes, int] = OrderedDict()  # blocks seen but not stored: admission
-        self._sightings_capacity = max(1024, sightings_capacity or 4 * sum(t.capacity_blocks for t in self.tiers))
+        # blocks the first tier refused come back within a few of its sizes; blocks that left a slower tier, within
+        # its size (what it could have held)
+        below = sum(t.capacity_blocks for t in self.tiers[1:])
+        self._sightings_capacity = max(1024, sightings_capacity or 4 * self.tiers[0].capacity_blocks + below)
         self._sightings_count = any(t.admission.counts_sightings for t in tiers)  # else a dropped block's go
         # bookkeeping by step id, until the step completes
         self._holding: set[int] = set()  # the step reads a copy it holds (one of its readers)
