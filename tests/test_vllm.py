@@ -125,6 +125,22 @@ def test_disk_tier_restores_exactly_and_survives_a_restart(tiny_model, engine_on
     assert second[0]["tokens"] == engine_only[-1]["tokens"] and max_diff(second[0], engine_only[-1]) == 0.0
 
 
+def test_the_default_disk_admission_writes_a_prefix_seen_once_only_after_prefixes_come_back(tiny_model, engine_only,
+                                                                                             tmp_path):
+    """`min_sightings: auto`, the default: A, B, C and D seen once leave host and are dropped, not written. A
+    comes back (recomputed); now blocks come back, so what host evicts goes down, and A's third request is
+    served from disk, exactly."""
+    config = {"cpu_bytes_to_use": 4 << 20, "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv"),
+                                                                "max_bytes": 1 << 30}]}
+    prometheus: dict = {}
+    out = run(tiny_model, config, *EVICT, "B", "C", "D", "A", prometheus=prometheus)
+    assert out[4]["cached"] == 0  # no tier kept A's first sighting
+    assert prometheus['kvtier_admission_rejects_total{reason="sightings",tier="disk"}'] >= 8
+    assert prometheus['kvtier_admission_sightings_needed{tier="disk"}'] == 1  # it learned: blocks come back
+    assert out[-1]["cached"] == 1920 and prometheus['kvtier_lookup_tokens_total{source="disk"}'] >= 1920
+    assert out[-1]["tokens"] == engine_only[-1]["tokens"] and max_diff(out[-1], engine_only[-1]) == 0.0
+
+
 def test_corrupt_disk_block_is_recomputed_not_served(tiny_model, engine_only, tmp_path):
     root = tmp_path / "kv"
     config = {"cpu_bytes_to_use": 4 << 20, "secondary_tiers": [{"type": "fs", **DEMOTE_ALL, "root_dir": str(root),

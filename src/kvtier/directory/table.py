@@ -45,7 +45,7 @@ class BlockTable:
         # its size (what it could have held)
         below = sum(t.capacity_blocks for t in self.tiers[1:])
         self._sightings_capacity = max(1024, sightings_capacity or 4 * self.tiers[0].capacity_blocks + below)
-        self._sightings_count = any(t.admission.counts_sightings for t in tiers)  # else a dropped block's go
+        self._sightings_count = any(t.admission.counts_sightings for t in tiers)  # keep a dropped block's count
         # bookkeeping by step id, until the step completes
         self._holding: set[int] = set()  # the step reads a copy it holds (one of its readers)
         self._accounted: set[int] = set()  # a delete whose bytes still count against its tier
