@@ -179,6 +179,8 @@ def test_prometheus_families(tmp_path):
         assert family in text, family
     assert 'kvtier_lookup_tokens_total{source="host"} 32.0' in text
     assert 'kvtier_moves_total{dst="host",src="caller"} 2.0' in text
+    assert 'kvtier_move_seconds_count{dst="host",src="caller"} 2.0' in text  # a batch of 2: each move counted
+    assert 'kvtier_move_seconds_bucket{dst="host",le="+Inf",src="caller"} 2.0' in text
     assert 'kvtier_admission_sightings_needed{tier="disk"} 1.0' in text  # min_sightings 1, as configured
 
 

@@ -14,14 +14,15 @@ the store counts them), plus its circuit breaker: `kvtier_redis_breaker_state` (
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 if TYPE_CHECKING:
     from kvtier.directory import Directory
@@ -86,6 +87,7 @@ class MoveStats:
     moves: Counter = field(default_factory=Counter)  # (src, dst)
     bytes: Counter = field(default_factory=Counter)  # (src, dst)
     seconds: Counter = field(default_factory=Counter)  # (src, dst), total
+    buckets: dict = field(default_factory=dict)  # (src, dst) -> moves per MOVE_BUCKETS bucket (+Inf last)
     integrity_failures: Counter = field(default_factory=Counter)  # tier
     stores_dropped: Counter = field(default_factory=Counter)  # reason
     observed: dict = field(default_factory=dict)  # (src, dst) -> [(seconds, count)], kept only for `take_observed`
@@ -113,9 +115,6 @@ class Metrics:
         self.lock = lock if lock is not None else nullcontext()
         self.moves = MoveStats()
         self.registry = CollectorRegistry()
-        seconds = FAMILIES["move_seconds"]
-        self.move_seconds = Histogram(f"kvtier_{seconds.name}", seconds.doc, list(seconds.labels),
-                                      buckets=MOVE_BUCKETS, registry=self.registry)
         self.registry.register(_Collector(self))
 
     def observe_move(self, src: str, dst: str, nbytes: int, seconds: float, count: int = 1) -> None:
@@ -124,13 +123,27 @@ class Metrics:
             self.moves.moves[(src, dst)] += count
             self.moves.bytes[(src, dst)] += nbytes * count
             self.moves.seconds[(src, dst)] += seconds * count
+            buckets = self.moves.buckets.get((src, dst))
+            if buckets is None:
+                buckets = self.moves.buckets[(src, dst)] = [0] * (len(MOVE_BUCKETS) + 1)
+            buckets[bisect_left(MOVE_BUCKETS, seconds)] += count  # a bucket counts the moves of at most its bound
             if self.keep_observed:
                 kept = self.moves.observed.setdefault((src, dst), [])
                 if len(kept) < MAX_OBSERVED:
                     kept.append((seconds, count))
-        histogram = self.move_seconds.labels(src, dst)
-        for _ in range(count):
-            histogram.observe(seconds)
+
+    def move_histogram(self) -> HistogramMetricFamily:
+        """The move durations as Prometheus buckets, counted here: a batch of moves is one increment."""
+        f = FAMILIES["move_seconds"]
+        fam = HistogramMetricFamily(f"kvtier_{f.name}", f.doc, labels=list(f.labels))
+        with self.moves.lock:
+            for (src, dst), counts in self.moves.buckets.items():
+                cumulative, total = [], 0
+                for bound, n in zip([*map(str, MOVE_BUCKETS), "+Inf"], counts):
+                    total += n
+                    cumulative.append((bound, total))
+                fam.add_metric([src, dst], cumulative, sum_value=self.moves.seconds[(src, dst)])
+        return fam
 
     def take_observed(self) -> dict:
         """Move durations since the last call: (src, dst) -> [(seconds, count)]."""
@@ -230,6 +243,7 @@ class _Collector:
             return {tuple(k.split("->" if "->" in k else "/", 1)): v for k, v in items.items()}
 
         yield counter("moves", pairs(snap["moves"]))
+        yield m.move_histogram()
         yield counter("move_bytes", pairs(snap["move_bytes"]))
         yield counter("stores_dropped", snap["stores_dropped"])
         yield counter("integrity_failures", snap["integrity_failures"])
