@@ -45,7 +45,7 @@ class BlockTable:
         # its size (what it could have held)
         below = sum(t.capacity_blocks for t in self.tiers[1:])
         self._sightings_capacity = max(1024, sightings_capacity or 4 * self.tiers[0].capacity_blocks + below)
-        self._sightings_count = any(t.admission.counts_sightings for t in tiers)  # keep a dropped block's count
+        self._sightings_count = any(t.admission.counts_sightings for t in tiers)
         # bookkeeping by step id, until the step completes
         self._holding: set[int] = set()  # the step reads a copy it holds (one of its readers)
         self._accounted: set[int] = set()  # a delete whose bytes still count against its tier
@@ -122,7 +122,10 @@ class BlockTable:
         return [b.key for b in self._blocks.values() if b.pins]
 
     def _sight(self, key: bytes, times: int = 1) -> int:
-        """Count sightings of a block not stored (bounded memory: the oldest sightings are forgotten)."""
+        """Count sightings of a block not stored (bounded memory: the oldest sightings are forgotten), where an
+        admission rule counts them."""
+        if not self._sightings_count:
+            return times
         seen = self._sightings.get(key, 0) + times
         self._sightings[key] = seen
         self._sightings.move_to_end(key)
@@ -324,8 +327,7 @@ class BlockTable:
             b = stack.pop()
             if self._blocks.pop(b.key, None) is None:
                 continue
-            if self._sightings_count:  # when it comes back, "the second sighting" counts what it was seen before
-                self._sight(b.key, b.seen)
+            self._sight(b.key, b.seen)  # when it comes back, "the second sighting" counts what it was seen before
             if self.on_change is not None:
                 self.on_change(b.key, None, False)
             if b.parent is not None and (parent := self._blocks.get(b.parent)) is not None and parent.children:
