@@ -17,6 +17,14 @@ def shape() -> tuple[int, ...]:
     return SHAPE
 
 
+def missing(part: str) -> None:
+    """A part the test needs is missing: a skip on a laptop, a failure in CI (`CI=true`), where `make test`
+    provides every part (root, redis-server)."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(part)
+    pytest.skip(part)
+
+
 # The disk tests test the disk path, not its admission: every block that host evicts goes down (the default,
 # `min_sightings: auto`, demotes first sightings only once blocks are seen coming back).
 DEMOTE_ALL = {"admission": {"min_sightings": 1}}
@@ -53,9 +61,7 @@ def redis_server(tmp_path):
 
     binary = redis_server_binary()
     if binary is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("redis-server is not installed (make venv installs it: apt-get install redis-server)")
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+        missing("redis-server is not installed (make venv installs it: apt-get install redis-server)")
     server = RedisServer(binary, tmp_path / "redis").start()
     yield server
     server.stop()

@@ -107,12 +107,13 @@ class Directory(SharedTierPlans):
         for i, (key, source) in enumerate(zip(plan.keys, sources)):
             block = self._blocks[key]
             block.seen += 1
-            if source != first.name:
+            below = source != first.name
+            if below:
                 self.tier[source].spec.admission.came_back()
-            if source == first.name or not self.stage_loads:  # pinned: its copy there stays until the GET is done
+            if not below or not self.stage_loads:  # pinned: its copy there stays until the GET is done
                 plan.chains.append([self._step(Op.GET, key, source, CALLER, src_slot=block.copies[source].slot,
                                                index=i)])
-                if source != first.name:
+                if below:
                     self._remember_read_below(key)
                 continue
             # another load is staging it (its slot is taken, its bytes not there yet), or there is no room
