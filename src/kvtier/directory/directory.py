@@ -209,11 +209,8 @@ class Directory(SharedTierPlans):
                 self.stats.stores_dropped["orphan"] += len(keys) - i
                 break
             block = Block(key, parent_key, priority, seen=self._sightings.pop(key, 1))
-            block.copies[first.name] = Copy(slot, State.WRITING)
-            first.used_blocks += 1
             self._link(block)
-            chain.append(self._step(Op.PUT, key, CALLER, first.name, dst_slot=slot, index=i, parent=parent_key))
-            self.stats.planned_moves[(CALLER, first.name)] += 1
+            self._plan_put(block, slot, chain, i)
             for tier in through:
                 self._copy_down(block, first, tier, chain, needs_prev=True)
             if offer:
@@ -242,13 +239,18 @@ class Directory(SharedTierPlans):
         if self._blocks.get(block.key) is not block:  # making room dropped an ancestor, and this block with it
             self._give_back(first, slot, chain, plan)
             return False
+        self._plan_put(block, slot, chain, index)
+        plan.chains.append(chain)
+        return True
+
+    def _plan_put(self, block: Block, slot: int | None, chain: list[Step], index: int) -> None:
+        """A first-tier copy of `block` in `slot`, written from the caller's `index`-th block."""
+        first = self.tiers[0]
         block.copies[first.name] = Copy(slot, State.WRITING)
         first.used_blocks += 1
         chain.append(self._step(Op.PUT, block.key, CALLER, first.name, dst_slot=slot, index=index,
                                 parent=block.parent))
         self.stats.planned_moves[(CALLER, first.name)] += 1
-        plan.chains.append(chain)
-        return True
 
     def _order_stored(self, blocks: Sequence[Block], new: set[bytes], promoted: set[bytes]) -> None:
         """Insert a stored chain's new copies into their tiers' policies (every copy of a new block, the first-tier
