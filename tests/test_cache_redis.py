@@ -94,6 +94,36 @@ def test_what_one_engine_stores_the_other_loads_bit_identically(redis_server):
         b.close()
 
 
+def test_a_load_not_staged_reads_redis_straight_into_the_caller_and_its_store_keeps_the_blocks(redis_server):
+    """As the vLLM connector loads: no host slot on the way, the prefix ends at a damaged value, and storing what
+    was used gives the blocks host copies without sending them to Redis again."""
+    a = TieredCache(config(redis_server.url), SHAPE, DTYPE, model="test")
+    b = TieredCache(config(redis_server.url), SHAPE, DTYPE, model="test", stage_loads=False)
+    try:
+        keys, blocks = keys_for(8), random_blocks(8, DTYPE, seed=4)
+        a.store(keys, blocks)
+        a.flush()
+        client = redis_server.client()
+        client.setrange(value_key(a, keys[6]), blockformat.HEADER_NBYTES + 100, b"\xff\x00")  # flip payload bytes
+        out = [torch.empty(SHAPE, dtype=DTYPE) for _ in range(8)]
+        got = b.load(keys, out=out)
+        assert len(got) == 6 and all(same_bytes(x, y) for x, y in zip(got, blocks)), "the prefix ends at it"
+        snap = b.snapshot()
+        # the block after the damaged one arrives too (vLLM would recompute from the first that did not)
+        assert snap["moves"]["redis->caller"] == 7 and "redis->host" not in snap["moves"]
+        assert snap["integrity_failures"] == {"redis": 1}
+        assert b.directory.lookup(keys) == [] and not b.directory.pinned(), "none of them is b's"
+        assert b.store(keys[:6], got) == 6
+        b.flush()
+        assert b.directory.lookup(keys) == ["host"] * 6
+        assert b.snapshot()["moves"].get("host->redis", 0) == 0, "Redis had them all"
+        assert b.snapshot()["orphan_blocks"] == 0
+        check_invariants(client, a.stores["redis"])
+    finally:
+        a.close()
+        b.close()
+
+
 def test_damaged_or_foreign_value_is_a_miss_never_served(redis_server):
     a, b = engines(redis_server.url)
     other = TieredCache(config(redis_server.url, tenant_salt="another tenant"), SHAPE, DTYPE, model="test")  # another namespace
@@ -348,25 +378,34 @@ class SharedDirectoryMachine(DirectoryMachine):
             self.redis[step.key] = step.parent
             return Status.OK
         if step.src == "redis":
-            assert step.dst == "host" and step.op is Op.COPY
+            assert (step.op, step.dst) == self.fetch, step
             if step.key not in self.redis or roll >= ROLLS - 3:  # gone, corrupt or unavailable: all the same
                 if roll == ROLLS - 1:
                     self._redis_drop(step.key)  # corrupt: the store removes it and its descendants
                 return self._failed(step, Status.SOURCE_LOST)
-            self.bytes.slots["host"][step.dst_slot] = step.key
+            if step.dst == "host":
+                self.bytes.slots["host"][step.dst_slot] = step.key
             return Status.OK
         return super()._execute(step, roll)
 
-    def held_in(self, source: str) -> str:
-        return "host" if source == "redis" else source  # a fetched block is staged in host
+    @property
+    def fetch(self) -> tuple[Op, str]:
+        """A fetch's step: staged in host, then a GET from there; or straight into the caller."""
+        return (Op.COPY, "host") if self.d.stage_loads else (Op.GET, CALLER)
+
+    def held_in(self, source: str) -> str | None:
+        if source != "redis":
+            return source
+        return "host" if self.d.stage_loads else None  # a fetched block is staged in host, or not ours at all
 
     @invariant()
     def shared_steps_are_well_formed(self) -> None:
         for c in self.chains.values():
             for step in c.steps:
-                if "redis" in (step.src, step.dst):
-                    assert step.op is Op.COPY and CALLER not in (step.src, step.dst)
-                    assert (step.src, step.dst) in (("host", "redis"), ("redis", "host")), step
+                if step.dst == "redis":
+                    assert (step.op, step.src) == (Op.COPY, "host"), step
+                elif step.src == "redis":
+                    assert (step.op, step.dst) == self.fetch, step
 
 
 SharedDirectoryMachine.TestCase.settings = settings(

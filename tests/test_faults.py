@@ -27,6 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
 from tests.connector_harness import P, Engine, Request
+from tests.connector_harness import content as engine_content
 from tests.conftest import DEMOTE_ALL, missing
 
 SHAPE, DT = (4, 1024), torch.uint8  # a block: 4 KiB
@@ -208,24 +209,58 @@ def test_a_disk_hit_needs_no_host_slot_and_is_promoted_by_its_store(tmp_path):
         engine.close()
 
 
-def test_a_shared_tier_hit_without_a_host_slot_to_stage_in_is_recomputed_and_counted(redis_server):
-    """A Redis hit is staged through host; with every host slot held by a store in flight, the load falls short
-    of what vLLM was promised: the block is reported failed (vLLM recomputes it), never served, and counted."""
-    from kvtier.stores.redis import RedisStore
-
+def shared_engine(redis_server) -> Engine:
+    """A 2-slot host and a Redis tier."""
     config = parse_config({"cpu_bytes_to_use": 2 * P, "block_size": 16, "engine_block_size": 16, "secondary_tiers": [
         {"type": "redis", "url": redis_server.url, "max_bytes": 64 * (P + 600)}]})
-    engine = Engine(config)
+    return Engine(config)
+
+
+def stored_by_another_engine(redis_server, engine: Engine, request: Request) -> None:
+    """The request's first block, as another engine of the same model writes it to Redis."""
+    from kvtier.stores.redis import RedisStore
+
+    other = RedisStore(redis_server.url, engine.scheduler.geo.namespace(0), P, 64 * (P + 600))
+    other.put_many([(engine.scheduler._keys(request)[0], None, engine_content(request.block_hashes[0], 0))])
+    other.close()
+
+
+def test_a_shared_tier_hit_needs_no_host_slot_and_is_given_one_by_its_store(redis_server):
+    """A Redis hit is read straight into the engine's block, as a disk hit is: with every host slot held by a store
+    in flight it is still served, exactly, and the request's own store then gives it a host copy."""
+    hit = Request("q", [bytes([1]) * 32, bytes([9]) * 32])
+    engine = shared_engine(redis_server)
     try:
-        hit = Request("q", [bytes([1]) * 32, bytes([9]) * 32])
-        other = RedisStore(redis_server.url, engine.scheduler.geo.namespace(0), P, 64 * (P + 600))
-        other.put_many([(engine.scheduler._keys(hit)[0], None, torch.zeros(P, dtype=torch.uint8))])  # another engine's
-        other.close()
+        stored_by_another_engine(redis_server, engine, hit)
         busy_host(engine, 10)
+        admit(engine, hit)
+        assert hit.promised == 16 and hit.is_async
+        engine.run(hit)
+        assert engine.loaded == 1 and engine.wrong == 0
+        assert engine.scheduler.stats_payload()["counters"]["load_shortfall_tokens"] == {}
+        assert engine.workers[0].metrics.moves.moves[("redis", "caller")] == 1
+        engine.drain()
+        assert set(engine.scheduler.directory.residency(engine.scheduler._keys(hit)[0])) == {"host"}
+    finally:
+        engine.close()
+
+
+def test_a_shared_tier_hit_on_a_block_being_stored_here_is_recomputed_and_counted(redis_server):
+    """Redis holds a block this engine is storing right now (its host copy not yet written): vLLM was promised the
+    hit, but the load cannot take a block a transfer is on. It is reported failed (vLLM recomputes it), never
+    served, and counted as the load's shortfall."""
+    hit = Request("q", [bytes([1]) * 32, bytes([9]) * 32])
+    engine = shared_engine(redis_server)
+    try:
+        admit(engine, writing := Request("w", hit.block_hashes[:1]))
+        engine.compute(writing, set())
+        writing.num_computed_tokens = 16
+        engine.finish(writing)  # its store is planned, not yet run
+        stored_by_another_engine(redis_server, engine, hit)
         admit(engine, hit)
         assert hit.promised == 16 and hit.is_async  # the hit was promised ...
         counters = engine.scheduler.stats_payload()["counters"]
-        assert counters["load_shortfall_tokens"] == {"redis": 16}  # ... and could not be staged
+        assert counters["load_shortfall_tokens"] == {"redis": 16}  # ... and could not be taken
         engine.run(hit)
         assert engine.loaded == 0 and engine.wrong == 0  # reported failed: recomputed, not served
     finally:

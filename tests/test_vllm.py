@@ -182,7 +182,7 @@ def test_a_second_engine_gets_the_first_engines_prefix_from_redis(tiny_model, en
     assert out[0]["cached"] == 1920  # every block but the last came from Redis
     assert out[0]["tokens"] == engine_only[-1]["tokens"] and max_diff(out[0], engine_only[-1]) == 0.0
     assert prometheus['kvtier_lookup_tokens_total{source="redis"}'] == 1920
-    assert prometheus['kvtier_moves_total{dst="host",src="redis"}'] == 15
+    assert prometheus['kvtier_moves_total{dst="caller",src="redis"}'] == 15  # straight into the engine's blocks
 
 
 def test_redis_killed_and_restarted_mid_workload(tiny_model, engine_only, redis_server):

@@ -58,7 +58,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("guard_window_p99_seconds", "gauge", "p99 of the guard's last window, by the source of requests' "
            "prefixes (a tier, engine or recompute)", ("tier", "signal")),
     Family("load_shortfall_tokens", "counter", "Prompt tokens promised to vLLM as a shared tier's hit that the load "
-           "could not stage (every host slot held by a transfer or a load): vLLM recomputes them", ("tier",)),
+           "could not take (a transfer of this engine's own was on the block): vLLM recomputes them", ("tier",)),
     Family("load_decisions", "counter", "Requests whose blocks found were all loaded, partly, or recomputed, by "
            "their slowest tier", ("tier", "decision")),
     Family("redis_breaker_state", "gauge", "Circuit breaker of a shared tier: 0 closed, 1 half-open, 2 open", (),

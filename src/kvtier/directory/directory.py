@@ -42,9 +42,9 @@ class Directory(SharedTierPlans):
         shared: SharedSpec | None = None,
         stage_loads: bool = True,
     ) -> None:
-        """`stage_loads=False`: a load reads a slower local tier's block straight into the caller (no first-tier
-        slot to make room in, no victim to write down first, on the request's path); the next store of a block
-        read that way promotes it into the first tier, off that path. The vLLM connector loads this way."""
+        """`stage_loads=False`: a load reads a slower tier's block (local or shared) straight into the caller (no
+        first-tier slot to make room in, no victim to write down first, on the request's path); the next store
+        of a block read that way gives it a first-tier copy, off that path. The vLLM connector loads this way."""
         names = [t.name for t in tiers] + ([shared.name] if shared is not None else [])
         if len(set(names)) != len(names) or CALLER in names:
             raise ValueError(f"tier names must be unique and not {CALLER!r}: {names}")
@@ -146,8 +146,11 @@ class Directory(SharedTierPlans):
             self._read_below.popitem(last=False)
 
     def finish_load(self, plan: Plan) -> None:
-        """Unpin a load's prefix once the caller holds its bytes."""
-        self._unpin(plan.keys)
+        """Unpin a load's prefix once the caller holds its bytes: every block it pinned, which is every block but
+        those read straight from the shared tier (none of ours; a store may have added one since, pinned by
+        others)."""
+        unstaged = self.shared.name if self.shared is not None and not self.stage_loads else None
+        self._unpin([key for key, source in zip(plan.keys, plan.sources) if source != unstaged])
 
     # ---------------------------------------------------------------- stores
 
@@ -291,6 +294,8 @@ class Directory(SharedTierPlans):
             return
         if self._shared_step_done(step):
             return
+        if step.dst == CALLER and self.shared is not None and step.src == self.shared.name:
+            return  # a fetch read straight into the caller: no block of ours
         holds = step.id in self._holding
         self._holding.discard(step.id)
         block = self._blocks.get(step.key) or self._retiring.get(step.key)

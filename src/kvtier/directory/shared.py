@@ -6,10 +6,12 @@ bytes (its store keeps both, for all engines). It only plans moves through it:
 - write-through from the first tier (`_offer_shared`, called by `plan_store`): a COPY first->shared step for
   each block of the chain with a first-tier copy, parents first, until the shared tier's admission says no.
   The step pins its block until it completes, so that its first-tier bytes stay put while they are sent.
-- fetches into the first tier (`_plan_fetch`, called by `plan_load` with `shared_end`: the caller asked the
-  store which blocks after the local prefix it holds). A fetched block enters the directory like a promoted
-  one (a WRITING first-tier copy, pinned, then a GET); a fetch that fails or finds the value gone, corrupt or
-  foreign completes not OK, and the block leaves with its descendants: a miss.
+- fetches (`_plan_fetch`, called by `plan_load` with `shared_end`: the caller asked the store which blocks
+  after the local prefix it holds). Staged, a fetched block enters the directory like a promoted one (a
+  WRITING first-tier copy, pinned, then a GET); a fetch that fails or finds the value gone, corrupt or
+  foreign completes not OK, and the block leaves with its descendants: a miss. With `stage_loads` off it is
+  read straight into the caller and stays out of the directory: no first-tier slot to make room in on the
+  request's path, and the request's store gives it one, as it does any block it computed.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from kvtier.directory.plan import Op, Plan, Step
+from kvtier.directory.plan import CALLER, Op, Plan, Step
 from kvtier.directory.state import Block, SharedSpec, State, TierSpec
 from kvtier.directory.table import BlockTable
 from kvtier.policies.base import DEFAULT_PRIORITY
 
 
 class SharedTierPlans(BlockTable):
+    stage_loads = True  # the directory's: fetched blocks go through a first-tier slot (or straight to the caller)
+
     def __init__(self, tiers: Sequence[TierSpec], clock: Callable[[], float] = time.monotonic,
                  sightings_capacity: int | None = None, shared: SharedSpec | None = None) -> None:
         super().__init__(tiers, clock, sightings_capacity)
@@ -59,11 +63,11 @@ class SharedTierPlans(BlockTable):
         return True
 
     def _plan_fetch(self, plan: Plan, keys: Sequence[bytes], shared_end: int, parent: bytes | None) -> list[Block]:
-        """Extend a load past its local prefix with blocks fetched from the shared tier into the first tier.
+        """Extend a load past its local prefix with blocks fetched from the shared tier (module docstring).
 
-        `parent` is the key before `keys[0]` (the caller's own prefix), if any. A fetched block whose parent is
-        in no tier of ours (the engine holds it, we do not) is served to this request but not kept: kept, it
-        would be an orphan. It retires once the load is done."""
+        `parent` is the key before `keys[0]` (the caller's own prefix), if any. A staged block whose parent is in
+        no tier of ours (the engine holds it, we do not) is served to this request but not kept: kept, it would
+        be an orphan. It retires once the load is done."""
         shared, first = self.shared, self.tiers[0]
         fetched: list[Block] = []
         if shared is None:
@@ -73,20 +77,23 @@ class SharedTierPlans(BlockTable):
             parent = keys[i - 1] if i else parent
             if key in self._blocks or key in self._retiring:  # here, but not readable: a transfer is on it
                 break
-            room = self._room(first, key, plan)
-            if room is None:
-                break
-            slot, chain = room
-            block = Block(key, parent, DEFAULT_PRIORITY, seen=self._sightings.pop(key, 0) + 1, pins=1)
-            if parent is None or parent in self._blocks:
-                self._link(block)
-            else:  # the engine's prefix, or a block making room just dropped: this request's only
-                block.retiring = True
-                self._retiring[key] = block
-            self._stage(block, shared.name, None, slot, chain, i, plan)
+            if self.stage_loads:
+                room = self._room(first, key, plan)
+                if room is None:
+                    break
+                slot, chain = room
+                block = Block(key, parent, DEFAULT_PRIORITY, seen=self._sightings.pop(key, 0) + 1, pins=1)
+                if parent is None or parent in self._blocks:
+                    self._link(block)
+                else:  # the engine's prefix, or a block making room just dropped: this request's only
+                    block.retiring = True
+                    self._retiring[key] = block
+                self._stage(block, shared.name, None, slot, chain, i, plan)
+                fetched.append(block)
+            else:
+                plan.chains.append([self._step(Op.GET, key, shared.name, CALLER, index=i)])
             plan.keys.append(key)
             plan.sources.append(shared.name)
-            fetched.append(block)
         return fetched
 
     def _shared_step_done(self, step: Step) -> bool:

@@ -152,7 +152,7 @@ class Mover:
         if cut:
             for f in befores:
                 f.result()
-            self._shared.fetch([step for _, step, _ in cut], failed)
+            self._shared.fetch([step for _, step, _ in cut], failed, io, delivered)
             for _, _, after in cut:
                 if after:
                     self._run_chain(after, io, delivered, failed)

@@ -3,8 +3,9 @@
 A step that touches the shared tier is cut out of its chain. A store's shared steps (write-through
 host->redis, parents first) run after the rest of the plan, as one background job: `put_chain` per batch (the
 store skips what it holds and what it would refuse as an orphan); a full write queue drops the job, counted,
-so that a slow Redis never holds up local stores. A load's fetches (redis->host) run after the steps before
-them in their chains (evictions), in parallel batches, then their GETs. Every call is bounded by the store's
+so that a slow Redis never holds up local stores. A load's fetches run after the steps before them in their
+chains (evictions), in parallel batches: into host slots, then their GETs (redis->host, staged loads), or
+through a buffer of the thread's own into the caller's blocks (redis->caller). Every call is bounded by the store's
 timeouts; with its breaker open nothing is tried: fetches fail (the prefix ends there) and writes are dropped,
 counted in `kvtier_stores_dropped_total{reason}`.
 """
@@ -12,14 +13,18 @@ counted in `kvtier_stores_dropped_total{reason}`.
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kvtier.directory import Status, Step
+import torch
+
+from kvtier.directory import CALLER, Status, Step
 from kvtier.metrics import Metrics
-from kvtier.mover.handlers import Reporter, slot_of
+from kvtier.mover.copy import copy_from_slot, device_stream
+from kvtier.mover.handlers import CallerIO, Reporter, slot_of
 from kvtier.stores.base import PutStatus, ReadStatus, SlotStore, Stores
 
 SHARED_BATCH_BYTES = 32 << 20  # payload bytes in one pipelined call to a shared tier
@@ -40,6 +45,7 @@ class SharedTraffic:
         self._reads = pool(n_read_threads, "kvtier-shared-read", False) if self.stores else None
         self._writes = pool(n_write_threads, "kvtier-shared-write", True) if self.stores else None
         self._slots = threading.BoundedSemaphore(queue_depth)  # write jobs waiting or running
+        self._local = threading.local()  # each thread's buffer for fetches into the caller's blocks
 
     def lookup(self, tier: str, keys: Sequence[bytes]) -> int:
         """How many leading blocks of `keys` the shared tier holds now (one round trip; 0 with its breaker
@@ -129,24 +135,29 @@ class SharedTraffic:
 
     # ---------------------------------------------------------------- reads
 
-    def fetch(self, steps: list[Step], failed: set[bytes]) -> None:
-        """Fetch blocks into their host slots, batches in parallel; a key that did not arrive joins `failed`."""
+    def fetch(self, steps: list[Step], failed: set[bytes], io: CallerIO, delivered: list[bool]) -> None:
+        """Fetch blocks into their host slots or the caller's blocks (`io.out`, then `delivered`), batches in
+        parallel; a key that did not arrive joins `failed`."""
         groups = self.batches(steps)
         if len(groups) == 1:
-            self._fetch_batch(groups[0], failed)
+            self._fetch_batch(groups[0], failed, io, delivered)
             return
         assert self._reads is not None
-        for future in [self._reads.submit(self._fetch_batch, g, failed) for g in groups]:
+        for future in [self._reads.submit(self._fetch_batch, g, failed, io, delivered) for g in groups]:
             future.result()
 
-    def _fetch_batch(self, steps: list[Step], failed: set[bytes]) -> None:
-        """One pipelined call straight into the host slots. A block that is gone, corrupt or foreign (the store
-        removes those) is SOURCE_LOST: its GET is skipped and the prefix ends there."""
+    def _fetch_batch(self, steps: list[Step], failed: set[bytes], io: CallerIO, delivered: list[bool]) -> None:
+        """One pipelined call straight into the host slots (or this thread's buffer). A block that is gone,
+        corrupt or foreign (the store removes those) is SOURCE_LOST: its GET is skipped and the prefix ends there."""
         tier, dst = steps[0].src, steps[0].dst
         store = self.stores[tier]
+        into = self._buffers(len(steps), store.payload_nbytes) if dst == CALLER else \
+            [self.slab.view(slot_of(s.dst_slot)) for s in steps]
         start = time.perf_counter()
         try:
-            statuses = store.get_many([s.key for s in steps], [self.slab.view(slot_of(s.dst_slot)) for s in steps])
+            statuses = store.get_many([s.key for s in steps], into)
+            if dst == CALLER:
+                self._deliver(steps, statuses, into, io, delivered)
         except Exception:  # a bug, not an outage (the store turns those into misses): nothing is served
             log.exception("kvtier shared-tier fetch failed")
             statuses = [ReadStatus.MISSING] * len(steps)
@@ -164,16 +175,35 @@ class SharedTraffic:
         if lost:
             self.report(lost, Status.SOURCE_LOST)
 
+    def _buffers(self, n: int, nbytes: int) -> list[memoryview]:
+        """`n` buffers of `nbytes` in one mapping of this thread's own, kept for its next fetch (a new mapping
+        per fetch costs its page faults, several times the copy)."""
+        mapping = getattr(self._local, "mapping", None)
+        if mapping is None or len(mapping) < n * nbytes:
+            mapping = self._local.mapping = memoryview(mmap.mmap(-1, n * nbytes))
+        return [mapping[i * nbytes : (i + 1) * nbytes] for i in range(n)]
+
+    @staticmethod
+    def _deliver(steps: list[Step], statuses: list[ReadStatus], buffers: list[memoryview], io: CallerIO,
+                 delivered: list[bool]) -> None:
+        """The blocks that arrived, from their buffers into the caller's blocks."""
+        arrived = [(s, b) for s, st, b in zip(steps, statuses, buffers) if st is ReadStatus.OK]
+        with device_stream(io.out, io.ready):
+            for step, buffer in arrived:
+                copy_from_slot(io.out[step.index], torch.frombuffer(buffer, dtype=torch.uint8))
+        for step, _ in arrived:
+            delivered[step.index] = True
+
     # ---------------------------------------------------------------- both
 
     def batches(self, steps: list[Step]) -> list[list[Step]]:
-        """Consecutive runs of steps on one shared tier, each within SHARED_BATCH_BYTES."""
+        """Consecutive runs of steps between the same two tiers, each within SHARED_BATCH_BYTES."""
         groups: list[list[Step]] = []
         for step in steps:
             tier = step.src if step.src in self.stores else step.dst
             per = max(1, SHARED_BATCH_BYTES // self.stores[tier].payload_nbytes)
             last = groups[-1] if groups else None
-            if last is None or len(last) >= per or tier not in (last[0].src, last[0].dst):
+            if last is None or len(last) >= per or (step.src, step.dst) != (last[0].src, last[0].dst):
                 groups.append([step])
             else:
                 last.append(step)

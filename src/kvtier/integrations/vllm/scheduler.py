@@ -3,10 +3,10 @@
 Keys are vLLM's own `request.block_hashes` (the last engine hash of each kvtier block, group 0), never re-hashed. A
 hit is promised to vLLM only for blocks readable now, pinned until the workers report them. Host hits load
 synchronously, before the forward of the step that computes the rest of the prompt (a memory copy is cheaper than
-vLLM's asynchronous round trip); hits in slower tiers load asynchronously. A disk tier's blocks are read straight
-into the engine's, and promoted into host by the request's store. The shared tier's are staged through host: when
-every host slot is held by a transfer, such a load stages fewer blocks than promised, and vLLM recomputes the rest
-(counted as the load's shortfall). Stores happen when a request finishes: its blocks are held (`request_finished`
+vLLM's asynchronous round trip); hits in slower tiers load asynchronously. A disk or shared tier's blocks are read
+straight into the engine's, and given a host copy by the request's store. A shared-tier block that a transfer of
+ours took on between the lookup and the load cannot be loaded: vLLM recomputes it (counted as the load's
+shortfall). Stores happen when a request finishes: its blocks are held (`request_finished`
 returns True) until the workers have copied them out, so a store never reads a block vLLM has reused.
 
 A shared tier (Redis) is asked for the blocks after the local prefix on a thread of our own: until it
@@ -98,7 +98,7 @@ class SchedulerSide:
         self._deletes: list[Step] = []
         self._stores_in_flight = 0
         self._dropped: Counter = Counter()  # reason -> blocks this half refused to store
-        self._shortfall: Counter = Counter()  # tier -> tokens promised to vLLM that no load could stage
+        self._shortfall: Counter = Counter()  # tier -> tokens promised to vLLM that no load could take
         self._deltas = Deltas()
         self._generation = b""  # appended to every key once vLLM reset its prefix cache (see reset_cache)
         self._orphans: dict[str, int] = {}
@@ -188,7 +188,7 @@ class SchedulerSide:
         tokens = [max(0, min((first + i + 1) * bt, end) - max((first + i) * bt, local)) for i in range(len(keys))]
         for source, n in zip(plan.sources, tokens):  # tokens each tier really serves to this request
             served[self.directory.kind(source)] += n
-        # no room to stage the rest (the host's slots all held by transfers in flight): vLLM recomputes them
+        # what the load could not take (a transfer of ours on the block since the lookup): vLLM recomputes it
         for source, n in zip(found[len(plan.keys) :], tokens[len(plan.keys) :]):
             self._shortfall[source] += n
         targets = [self._engine_blocks(engine_ids, first + i, skip, end) for i in range(len(keys))]
