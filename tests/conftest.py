@@ -67,6 +67,12 @@ def redis_server(tmp_path):
     server.stop()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def vllm_sockets(tmp_path_factory) -> None:
+    """vLLM leaves its processes' sockets behind, in /tmp unless told: in this run's own folder instead."""
+    os.environ.setdefault("VLLM_RPC_BASE_PATH", str(tmp_path_factory.mktemp("vllm-sockets")))
+
+
 @pytest.fixture(scope="session")
 def served_model(tmp_path_factory) -> str:
     """`kvtier tiny-model DIR`, as a user would write it: weights, a tokenizer, a chat template."""

@@ -13,10 +13,12 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -63,11 +65,17 @@ class Server:
                  model: str | None = None) -> None:
         self.command, self.port, self.log_path, self.model = command, port, log, model
         self.env = {**os.environ, **ENGINE_ENV, **(env or {})}
+        # vLLM names its processes' sockets there and leaves them behind: a folder of ours, removed at the end
+        self._sockets = None if "VLLM_RPC_BASE_PATH" in self.env else tempfile.mkdtemp(prefix="kvtier-vllm-")
+        if self._sockets is not None:
+            self.env["VLLM_RPC_BASE_PATH"] = self._sockets
         self.proc: subprocess.Popen | None = None
         self.start()
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self._sockets is not None:
+            os.makedirs(self._sockets, exist_ok=True)
         with self.log_path.open("a") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True)
@@ -132,13 +140,19 @@ class Server:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        self._remove_sockets()
 
     def stop(self, timeout_s: float = 60) -> None:
         """SIGTERM, as an orchestrator stops a server; SIGKILL if it has not exited after `timeout_s`."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._remove_sockets()
+
+    def _remove_sockets(self) -> None:
+        """The server is gone: so are the sockets it left (`start` makes their folder again)."""
+        if self._sockets is not None:
+            shutil.rmtree(self._sockets, ignore_errors=True)
