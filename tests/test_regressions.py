@@ -365,20 +365,21 @@ def scheduler_with_a_seeded_redis(redis_server, n: int) -> tuple[SchedulerSide, 
 
 def test_an_aborted_request_stores_only_blocks_that_were_filled(redis_server):
     """exp7: a request aborted while its shared-tier fetch was cut short planned PUTs (and write-through) of
-    engine blocks its own load job had declared unavailable."""
+    engine blocks its own load job had declared unavailable. (Cut short here: Redis answered R's lookup, then Q's
+    store of the first block began, and a load cannot take a block a transfer is on.)"""
     s, hashes, keys = scheduler_with_a_seeded_redis(redis_server, 4)
-    q, r = request("Q", hashes[:2]), request("R", hashes)
-    s.get_num_new_matched_tokens(q, 0), s.get_num_new_matched_tokens(r, 0)
-    time.sleep(0.3)  # the shared tier answers both lookups
-    nq, _ = s.get_num_new_matched_tokens(q, 0)
-    s.update_state_after_alloc(q, engine_blocks([10, 11, 12]), nq)
+    r = request("R", hashes)
+    s.get_num_new_matched_tokens(r, 0)
+    time.sleep(0.3)  # the shared tier answers the lookup
     nr, _ = s.get_num_new_matched_tokens(r, 0)
+    assert nr == 64
+    s.request_finished(request("Q", hashes[:1], computed=16), [10])  # Q computed the first block: stored now
     r_ids = [20, 21, 22, 23, 24]
     s.update_state_after_alloc(r, engine_blocks(r_ids), nr)
     r.num_computed_tokens = nr  # vLLM: WAITING_FOR_REMOTE_KVS, num_computed_tokens set to the promise
     meta = s.build_connector_meta(STEP)
     load = next(j for j in meta.loads if j.request_id == "R")
-    assert load.unavailable, "Q's fetch of the first block cut R's load short"
+    assert load.unavailable, "Q's store of the first block cut R's load short"
     s.request_finished(r, r_ids[:4])  # the abort, processed before update_from_output
     meta = s.build_connector_meta(STEP)
     read = {b for job in meta.stores for c in job.chains for st in c if st.op is Op.PUT
@@ -387,9 +388,10 @@ def test_an_aborted_request_stores_only_blocks_that_were_filled(redis_server):
     assert not read & {b for t in load.targets for b in t if b is not None}, "a PUT reads blocks still loading"
 
 
-def test_the_first_block_fetched_after_a_local_hit_keeps_its_parent(redis_server):
+def test_blocks_fetched_after_a_local_hit_are_served_and_never_kept_as_orphans(redis_server):
     """Found by reading: the first block fetched from Redis after vLLM's own prefix hit got parent=None, outside
-    the drop cascade and the orphan audit."""
+    the drop cascade and the orphan audit. Fetched blocks are now read straight into the engine and never enter
+    the directory: the request's store adds them, with their parents."""
     s, hashes, keys = scheduler_with_a_seeded_redis(redis_server, 3)
     r = request("R", hashes)
     s.get_num_new_matched_tokens(r, 16)  # vLLM holds the first block itself; kvtier does not
@@ -398,13 +400,11 @@ def test_the_first_block_fetched_after_a_local_hit_keeps_its_parent(redis_server
     assert n == 32
     s.update_state_after_alloc(r, engine_blocks([5, 6, 7]), n)
     d = s.directory
-    fetched = d._blocks.get(keys[1]) or d._retiring.get(keys[1])
-    assert fetched is not None and fetched.parent == keys[0]
-    assert d.orphans() == 0
     load = s.build_connector_meta(STEP).loads[0]
+    assert [(st.src, st.dst) for c in load.chains for st in c] == [("redis", "caller")] * 2
+    assert keys[1] not in d and keys[2] not in d and not d._retiring and d.orphans() == 0
     s.update_connector_output(KVTierWorkerMetadata({st.id: (Status.OK, 1) for c in load.chains for st in c}), {"R"})
-    assert keys[1] not in d and keys[2] not in d, "served to this request; kept, they would be orphans"
-    assert not d._retiring and d.tier["host"].used_blocks == 0
+    assert not d.pinned() and d.tier["host"].used_blocks == 0
 
 
 def test_failed_disk_deletes_keep_their_bytes_counted(tmp_path):
