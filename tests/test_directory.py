@@ -607,6 +607,22 @@ def test_a_dropped_block_remembers_its_sightings_so_the_second_one_demotes_it() 
     assert serve(d, a) == ["disk"]
 
 
+def test_a_write_through_disk_counts_each_block_offered_to_it_once() -> None:
+    """Offered when it is stored, and again when host evicts it (still not on disk): counted once, else the
+    evidence that blocks come back would have to be twice as strong."""
+    d = Directory([TierSpec("host", 4, 1, kind=TierKind.HOST),
+                   TierSpec("disk", 64, 1, write_through=True,
+                            admission=AdmissionRule(min_sightings=2, adaptive=True))], stage_loads=False)
+    rule = d.tier["disk"].spec.admission
+    chains = [[f"u{i}".encode()] for i in range(32)]
+    for chain in chains:  # refused by the disk when stored (seen once), evicted from host later
+        serve(d, chain)
+    assert d.stats.evictions[("host", "capacity")] == 28
+    for chain in chains[:3]:  # three come back, and no tier has them
+        assert serve(d, chain) == []
+    assert rule.sightings_needed == 1  # 3 came back of 35 offered
+
+
 def test_auto_sightings_keep_unique_traffic_off_the_disk_and_admit_first_sightings_once_blocks_come_back() -> None:
     d = two_tiers(adaptive=True)
     rule = d.tier["disk"].spec.admission

@@ -252,8 +252,8 @@ class BlockTable:
         lower = self.tiers[tier.index + 1 :]
         if demote and not any(t.name in block.copies for t in lower):
             target = next((t for t in lower if t.name not in self.disabled), None)
-            if target is not None:
-                self._copy_down(block, tier, target, chain, src_slot=copy.slot)
+            if target is not None:  # a write-through tier was offered the block when it was stored
+                self._copy_down(block, tier, target, chain, src_slot=copy.slot, offer=not target.spec.write_through)
         tier.used_blocks -= 1
         if tier.spec.slotted:
             tier.free_slots.append(copy.slot)
@@ -264,9 +264,10 @@ class BlockTable:
 
     def _copy_down(
         self, block: Block, src: Tier, dst: Tier, chain: list[Step], src_slot: int | None = None,
-        needs_prev: bool = False,
+        needs_prev: bool = False, offer: bool = True,
     ) -> bool:
-        """Plan a copy of `block` from `src` into `dst`, if admitted and room is found.
+        """Plan a copy of `block` from `src` into `dst`, if admitted and room is found. `offer`: count it among
+        the blocks offered to `dst` (its adaptive admission's evidence), once per block.
 
         Write-through: the source copy stays resident and is held (readers) until the copy completes.
         Demotion: the source copy has already left the directory; `src_slot` is where its bytes still are.
@@ -274,7 +275,8 @@ class BlockTable:
         if (dst.name, block.key) in self._deleting:  # the delete of its old copy, run late, would undo this write
             self.stats.stores_dropped["deleting"] += 1
             return False
-        dst.spec.admission.offered()
+        if offer:
+            dst.spec.admission.offered()
         reason = dst.spec.admission.reject_reason(block.priority, block.seen, dst.spec.block_bytes, self.clock())
         if reason is not None:
             self.stats.admission_rejects[(dst.name, reason)] += 1
