@@ -60,8 +60,8 @@ class TieredCache:
         """`model` names what computed the KV (`kvtier.weights.weights_identity` of its checkpoint, or any name
         that changes with the weights); it is part of the namespace, and required with a disk or Redis tier,
         whose blocks outlive this process: blocks of another model with the same shape must never be served.
-        `stage_loads=False`: as the vLLM connector loads, a disk hit is read straight into the result and only a
-        later `store` of its key promotes it into host (for callers that store every block they use)."""
+        `stage_loads=False`: as the vLLM connector loads, a disk or Redis hit is read straight into the result and
+        only a later `store` of its key gives it a host copy (for callers that store every block they use)."""
         self.config = config
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
@@ -144,7 +144,8 @@ class TieredCache:
 
         A block that turns out corrupt or missing on its tier ends the prefix there: it is a miss, and it
         is never returned. Blocks after the local prefix that the shared tier holds are fetched from it,
-        staged through the host tier. `request`: the id the caller will `report` this request's latency under.
+        staged through the host tier (with `stage_loads=False`, straight into the result). `request`: the id
+        the caller will `report` this request's latency under.
         """
         _check_keys("load", keys)
         if out is not None:
