@@ -5,9 +5,9 @@ host->redis, parents first) run after the rest of the plan, as one background jo
 store skips what it holds and what it would refuse as an orphan); a full write queue drops the job, counted,
 so that a slow Redis never holds up local stores. A load's fetches run after the steps before them in their
 chains (evictions), in parallel batches: into host slots, then their GETs (redis->host, staged loads), or
-through a buffer of the thread's own into the caller's blocks (redis->caller). Every call is bounded by the store's
-timeouts; with its breaker open nothing is tried: fetches fail (the prefix ends there) and writes are dropped,
-counted in `kvtier_stores_dropped_total{reason}`.
+through a buffer of the thread's own into the caller's blocks (redis->caller). Every call is bounded by the
+store's timeouts; with its breaker open nothing is tried: fetches fail (the prefix ends there) and writes are
+dropped, counted in `kvtier_stores_dropped_total{reason}`.
 """
 
 from __future__ import annotations

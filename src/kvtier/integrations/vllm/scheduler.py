@@ -6,8 +6,8 @@ synchronously, before the forward of the step that computes the rest of the prom
 vLLM's asynchronous round trip); hits in slower tiers load asynchronously. A disk or shared tier's blocks are read
 straight into the engine's, and given a host copy by the request's store. A shared-tier block that a transfer of
 ours took on between the lookup and the load cannot be loaded: vLLM recomputes it (counted as the load's
-shortfall). Stores happen when a request finishes: its blocks are held (`request_finished`
-returns True) until the workers have copied them out, so a store never reads a block vLLM has reused.
+shortfall). Stores happen when a request finishes: its blocks are held (`request_finished` returns True) until
+the workers have copied them out, so a store never reads a block vLLM has reused.
 
 A shared tier (Redis) is asked for the blocks after the local prefix on a thread of our own: until it
 answers, `get_num_new_matched_tokens` returns None and vLLM keeps the request waiting, so the scheduler never
