@@ -181,6 +181,19 @@ def busy_host(engine: Engine, first: int) -> None:
         engine.finish(busy)
 
 
+def served_with_every_host_slot_busy(engine: Engine, hit: Request, tier: str) -> None:
+    """`hit`'s first block, found in `tier`, is served exactly while every host slot is being written: read
+    straight into the engine's block, no shortfall. Then the request is stored."""
+    busy_host(engine, 10)
+    admit(engine, hit)
+    assert hit.promised == 16 and hit.is_async
+    engine.run(hit)
+    assert engine.loaded == 1 and engine.wrong == 0
+    assert engine.scheduler.stats_payload()["counters"]["load_shortfall_tokens"] == {}
+    assert engine.workers[0].metrics.moves.moves[(tier, "caller")] == 1
+    engine.drain()
+
+
 def test_a_disk_hit_needs_no_host_slot_and_is_promoted_by_its_store(tmp_path):
     """A disk hit is read straight into the engine's block: with every host slot held by a store in flight it is
     still served, exactly, and the request's own store then gives it a host copy."""
@@ -195,15 +208,7 @@ def test_a_disk_hit_needs_no_host_slot_and_is_promoted_by_its_store(tmp_path):
                 key = engine.scheduler._keys(stored)[0]
         directory = engine.scheduler.directory
         assert set(directory.residency(key)) == {"disk"}
-        busy_host(engine, 10)
-        hit = Request("q", [bytes([1]) * 32, bytes([9]) * 32])
-        engine.admit(hit)
-        assert hit.promised == 16 and hit.is_async
-        engine.run(hit)
-        assert engine.loaded == 1 and engine.wrong == 0
-        assert engine.scheduler.stats_payload()["counters"]["load_shortfall_tokens"] == {}
-        assert engine.workers[0].metrics.moves.moves[("disk", "caller")] == 1
-        engine.drain()
+        served_with_every_host_slot_busy(engine, Request("q", [bytes([1]) * 32, bytes([9]) * 32]), "disk")
         assert set(directory.residency(key)) == {"host", "disk"}  # promoted when the request was stored
     finally:
         engine.close()
@@ -232,14 +237,7 @@ def test_a_shared_tier_hit_needs_no_host_slot_and_is_given_one_by_its_store(redi
     engine = shared_engine(redis_server)
     try:
         stored_by_another_engine(redis_server, engine, hit)
-        busy_host(engine, 10)
-        admit(engine, hit)
-        assert hit.promised == 16 and hit.is_async
-        engine.run(hit)
-        assert engine.loaded == 1 and engine.wrong == 0
-        assert engine.scheduler.stats_payload()["counters"]["load_shortfall_tokens"] == {}
-        assert engine.workers[0].metrics.moves.moves[("redis", "caller")] == 1
-        engine.drain()
+        served_with_every_host_slot_busy(engine, hit, "redis")
         assert set(engine.scheduler.directory.residency(engine.scheduler._keys(hit)[0])) == {"host"}
     finally:
         engine.close()
