@@ -129,9 +129,7 @@ class ObjectToCaller:
         if step.op is Op.DELETE:
             self.store.delete(step.key)
             return Status.OK, 0
-        bounce = getattr(self._local, "bounce", None)
-        if bounce is None:  # page-aligned, so that O_DIRECT reads straight into it
-            bounce = self._local.bounce = memoryview(mmap.mmap(-1, self.store.payload_nbytes))
+        bounce = thread_buffer(self._local, self.store.payload_nbytes)[: self.store.payload_nbytes]
         status, nbytes = _read(self.store, step.key, bounce, self.integrity_failure)
         if status is Status.OK:
             with device_stream(io.out, io.ready):
@@ -155,6 +153,15 @@ def build_handlers(stores: Stores, put: CallerToSlot, get: SlotToCaller,
             if src_name != dst_name:
                 handlers[(src_name, dst_name)] = ObjectToObject(src, dst, _counter(integrity_failure, src_name))
     return handlers
+
+
+def thread_buffer(local: threading.local, nbytes: int) -> memoryview:
+    """A buffer of at least `nbytes`, the calling thread's own (`local`), kept for its next use: a new mapping
+    per use costs its page faults, several times the copy. Page-aligned, so that O_DIRECT reads straight into it."""
+    buffer = getattr(local, "buffer", None)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = local.buffer = memoryview(mmap.mmap(-1, nbytes))
+    return buffer
 
 
 def _read(store: ObjectStore, key: bytes, into: memoryview, integrity_failure: Callable[[], None]) -> Result:

@@ -13,7 +13,6 @@ dropped, counted in `kvtier_stores_dropped_total{reason}`.
 from __future__ import annotations
 
 import logging
-import mmap
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +23,7 @@ import torch
 from kvtier.directory import CALLER, Status, Step
 from kvtier.metrics import Metrics
 from kvtier.mover.copy import copy_from_slot, device_stream
-from kvtier.mover.handlers import CallerIO, Reporter, slot_of
+from kvtier.mover.handlers import CallerIO, Reporter, slot_of, thread_buffer
 from kvtier.stores.base import PutStatus, ReadStatus, SlotStore, Stores
 
 SHARED_BATCH_BYTES = 32 << 20  # payload bytes in one pipelined call to a shared tier
@@ -176,12 +175,9 @@ class SharedTraffic:
             self.report(lost, Status.SOURCE_LOST)
 
     def _buffers(self, n: int, nbytes: int) -> list[memoryview]:
-        """`n` buffers of `nbytes` in one mapping of this thread's own, kept for its next fetch (a new mapping
-        per fetch costs its page faults, several times the copy)."""
-        mapping = getattr(self._local, "mapping", None)
-        if mapping is None or len(mapping) < n * nbytes:
-            mapping = self._local.mapping = memoryview(mmap.mmap(-1, n * nbytes))
-        return [mapping[i * nbytes : (i + 1) * nbytes] for i in range(n)]
+        """`n` buffers of `nbytes`, in one buffer of this thread's own."""
+        buffer = thread_buffer(self._local, n * nbytes)
+        return [buffer[i * nbytes : (i + 1) * nbytes] for i in range(n)]
 
     @staticmethod
     def _deliver(steps: list[Step], statuses: list[ReadStatus], buffers: list[memoryview], io: CallerIO,

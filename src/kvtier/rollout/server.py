@@ -66,9 +66,9 @@ class Server:
         self.command, self.port, self.log_path, self.model = command, port, log, model
         self.env = {**os.environ, **ENGINE_ENV, **(env or {})}
         # vLLM names its processes' sockets there and leaves them behind: a folder of ours, removed at the end
-        self._sockets = None if "VLLM_RPC_BASE_PATH" in self.env else tempfile.mkdtemp(prefix="kvtier-vllm-")
-        if self._sockets is not None:
-            self.env["VLLM_RPC_BASE_PATH"] = self._sockets
+        self._sockets: str | None = None
+        if "VLLM_RPC_BASE_PATH" not in self.env:
+            self._sockets = self.env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="kvtier-vllm-")
         self.proc: subprocess.Popen | None = None
         self.start()
 
