@@ -19,6 +19,8 @@ import pytest
 
 from kvtier.bench import simulator as bench_sim
 from kvtier.layout import preset
+from kvtier.policies import make_policy
+from kvtier.sim.compiled_replay import dense_ids, replay_ids
 from kvtier.sim.fast_replay import fast_replay, replay_blocks
 from kvtier.sim.mrc import lru_mrc, stack_distances
 from kvtier.traces.mooncake import read_mooncake
@@ -227,3 +229,64 @@ def test_bench_sim_quick_reports_every_figure() -> None:
         assert isinstance(result[name], float) and result[name] > 0, name
     for policy in ("lru", "arc", "s3fifo"):  # same sequence, same capacity: the hit ratios agree
         assert abs(result[f"replay_{policy}_hit_ratio"] - result[f"libcachesim_{policy}_hit_ratio"]) <= 0.01
+        assert result[f"replay_{policy}_equals_objects"] is True
+        assert result[f"replay_{policy}_objects_accesses_per_s"] > 0
+
+
+# ---------------------------------------------------------------- compiled replays against the policy objects
+
+
+def replay_objects(requests, policy: str, capacity: int) -> tuple[list[int], list[int]]:
+    """Per request: block hits and leading hits, through the runtime's policy objects (fast_replay's loop)."""
+    cache_ = make_policy(policy, capacity)
+    hits, leads = [], []
+    for r in requests:
+        hit = lead = 0
+        leading = True
+        for b in r.blocks:
+            if b in cache_:
+                cache_.touch(b)
+                hit += 1
+                lead += leading
+                continue
+            leading = False
+            if len(cache_) >= capacity:
+                cache_.evicted(next(iter(cache_.candidates(b))))
+            cache_.insert(b)
+        hits.append(hit)
+        leads.append(lead)
+    return hits, leads
+
+
+def replay_compiled(requests, policy: str, capacity: int) -> tuple[list[int], list[int]]:
+    starts = np.cumsum([0] + [len(r.blocks) for r in requests])
+    blocks = np.array([b for r in requests for b in r.blocks], dtype=np.int64)
+    hits, leads = replay_ids(policy, dense_ids(blocks), starts, capacity)
+    return hits.tolist(), leads.tolist()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo"])
+def test_compiled_replays_decide_as_the_policy_objects_request_by_request(policy: str) -> None:
+    """Small caches over repeating ids: every ghost, discard, warm-up and clock path is taken many times."""
+    for seed in range(12):
+        for chained in (True, False):
+            requests = random_trace(seed, n=300, chained=chained)
+            for capacity in (1, 2, 3, 5, 8, 13, 40):
+                assert replay_compiled(requests, policy, capacity) == replay_objects(requests, policy, capacity), (
+                    seed, chained, capacity)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo"])
+def test_fast_replay_by_name_equals_the_policy_objects_on_a_real_trace(policy: str) -> None:
+    requests = mooncake("conversation")
+    for capacity in (200, 5859, 20000):
+        compiled = fast_replay(requests, policy, capacity)
+        assert compiled == fast_replay(requests, make_policy(policy, capacity))
+        assert compiled.hits > 0
+
+
+def test_compiled_replay_takes_sparse_ids() -> None:
+    """Ids far apart (hashes, negatives) are made dense first: the same hits as the objects."""
+    requests = [TraceRequest(float(i), tuple(b * 7_919_000_003 - 10**12 for b in r.blocks), r.input_tokens, 0,
+                             r.block_tokens) for i, r in enumerate(random_trace(3, n=200, chained=False))]
+    assert replay_compiled(requests, "arc", 6) == replay_objects(requests, "arc", 6)
