@@ -91,7 +91,8 @@ class Tier:
         self.capacity_blocks = spec.capacity_bytes // spec.block_bytes
         self.policy: EvictionPolicy = make_policy(spec.policy, self.capacity_blocks)
         self.used_blocks = 0
-        self.free_slots = list(range(self.capacity_blocks - 1, -1, -1)) if spec.slotted else []
+        self.slotted = spec.slotted
+        self.free_slots = list(range(self.capacity_blocks - 1, -1, -1)) if self.slotted else []
 
     @property
     def used_bytes(self) -> int:

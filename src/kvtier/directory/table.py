@@ -50,7 +50,19 @@ class BlockTable:
         self._holding: set[int] = set()  # the step reads a copy it holds (one of its readers)
         self._accounted: set[int] = set()  # a delete whose bytes still count against its tier
         self._owed: Counter[str] = Counter()  # tier -> files a failed delete left, counted by the next lost copy
-        self.disabled: frozenset[str] = frozenset()  # tiers nothing new is written to (the guard turned them off)
+        self.disabled = frozenset()
+
+    @property
+    def disabled(self) -> frozenset[str]:
+        """Tiers nothing new is written to (the guard turned them off)."""
+        return self._disabled
+
+    @disabled.setter
+    def disabled(self, names: AbstractSet[str]) -> None:
+        self._disabled = frozenset(names)
+        # per tier: where its evictions are demoted to (the next tier on), None: they are dropped
+        self._demote_to = [next((t for t in self.tiers[i + 1 :] if t.name not in self._disabled), None)
+                           for i in range(len(self.tiers))]
 
     # ---------------------------------------------------------------- lookups
 
@@ -171,7 +183,7 @@ class BlockTable:
             if victim is None:
                 raise NoRoom(tier.name)
             self._evict(tier, victim, chain, reason="capacity")
-        if not tier.spec.slotted:
+        if not tier.slotted:
             return None
         return tier.free_slots.pop()  # LIFO: the victim's slot, reused only after its demotion step in `chain`
 
@@ -227,11 +239,12 @@ class BlockTable:
         """The policy's first evictable candidate, unless a few more on its list can go without orphaning."""
         fallback: Block | None = None
         looked = 0
-        has_lower = any(t.name not in self.disabled for t in self.tiers[tier.index + 1 :])  # a demotion keeps it
+        has_lower = self._demote_to[tier.index] is not None  # a demotion keeps it
+        blocks, name, ready = self._blocks, tier.name, State.READY
         for key in tier.policy.candidates(incoming):
-            block = self._blocks[key]
-            copy = block.copies[tier.name]
-            if copy.state is not State.READY or copy.readers or block.pins:
+            block = blocks[key]
+            copy = block.copies[name]
+            if copy.state is not ready or copy.readers or block.pins:
                 continue
             if has_lower or not block.children or len(block.copies) > 1:
                 return block
@@ -249,13 +262,12 @@ class BlockTable:
         self.stats.evictions[(tier.name, reason)] += 1
         if self.on_change is not None:
             self.on_change(block.key, tier.name, False)
-        lower = self.tiers[tier.index + 1 :]
-        if demote and not any(t.name in block.copies for t in lower):
-            target = next((t for t in lower if t.name not in self.disabled), None)
-            if target is not None:  # a write-through tier was offered the block when it was stored
-                self._copy_down(block, tier, target, chain, src_slot=copy.slot, offer=not target.spec.write_through)
+        target = self._demote_to[tier.index]
+        if demote and target is not None and not any(t.name in block.copies for t in self.tiers[tier.index + 1 :]):
+            # a write-through tier was offered the block when it was stored
+            self._copy_down(block, tier, target, chain, src_slot=copy.slot, offer=not target.spec.write_through)
         tier.used_blocks -= 1
-        if tier.spec.slotted:
+        if tier.slotted:
             tier.free_slots.append(copy.slot)
         else:
             chain.append(self._delete(tier.name, block.key))  # its bytes go to the incoming block
@@ -357,7 +369,7 @@ class BlockTable:
         tier.policy.remove(block.key)
         if self.on_change is not None:
             self.on_change(block.key, tier.name, False)
-        if tier.spec.slotted:
+        if tier.slotted:
             tier.free_slots.append(copy.slot)
             tier.used_blocks -= 1
         elif already_deleted and self._owed[tier.name]:  # its count goes to a file a failed delete left
