@@ -59,9 +59,8 @@ class BlockTable:
 
     @disabled.setter
     def disabled(self, names: AbstractSet[str]) -> None:
-        self._disabled = frozenset(names)
-        # per tier: where its evictions are demoted to (the next tier on), None: they are dropped
-        self._demote_to = [next((t for t in self.tiers[i + 1 :] if t.name not in self._disabled), None)
+        self._disabled = frozenset(names)  # and per tier, where its evictions go (None: dropped)
+        self._demote_to = [next((t for t in self.tiers[i + 1 :] if t.name not in names), None)
                            for i in range(len(self.tiers))]
 
     # ---------------------------------------------------------------- lookups
@@ -262,9 +261,8 @@ class BlockTable:
         self.stats.evictions[(tier.name, reason)] += 1
         if self.on_change is not None:
             self.on_change(block.key, tier.name, False)
-        target = self._demote_to[tier.index]
+        target = self._demote_to[tier.index]  # a write-through target was offered the block when it was stored
         if demote and target is not None and not any(t.name in block.copies for t in self.tiers[tier.index + 1 :]):
-            # a write-through tier was offered the block when it was stored
             self._copy_down(block, tier, target, chain, src_slot=copy.slot, offer=not target.spec.write_through)
         tier.used_blocks -= 1
         if tier.slotted:
