@@ -255,9 +255,10 @@ def last_json(stdout: str) -> dict:
     return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
 
 
-def slowed(model: str, config: dict, delay_s: float, requests: int | None = None) -> dict:
-    """tests/vllm/guard.py's findings: a real engine whose disk reads sleep `delay_s`."""
-    args = [sys.executable, "-m", "tests.vllm.guard", model, json.dumps(config), str(delay_s)]
+def slowed(model: str, config: dict, delay: float | str, requests: int | None = None) -> dict:
+    """tests/vllm/guard.py's findings: a real engine whose disk reads sleep `delay` (seconds, or "Nx": N times
+    the engine's recompute of a prompt on this machine)."""
+    args = [sys.executable, "-m", "tests.vllm.guard", model, json.dumps(config), str(delay)]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(args + ([str(requests)] if requests else []), cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env=env)
@@ -278,7 +279,7 @@ def test_the_guard_turns_a_slow_disk_off_keeps_host_on_and_brings_the_disk_back_
                                                                                                  tmp_path):
     disk = {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20}
     config = {"cpu_bytes_to_use": 8 << 20, "load_policy": "always", "secondary_tiers": [disk], "guard": GUARD}
-    found = slowed(tiny_model, config, delay_s=0.6)
+    found = slowed(tiny_model, config, delay=0.6)
     requests, transitions = found["requests"], found["transitions"]
     slow = [r for r in requests if r["phase"] == "slow"]
     assert slow[0]["disk_blocks"] and slow[0]["ttft"] > 1.2, "the delay was injected and the disk served"
@@ -302,7 +303,8 @@ def test_the_guard_turns_a_slow_disk_off_keeps_host_on_and_brings_the_disk_back_
 
 def test_the_decision_recomputes_what_a_slow_disk_would_serve_late(tiny_model, tmp_path):
     disk = {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20}
-    found = slowed(tiny_model, {"cpu_bytes_to_use": 8 << 20, "secondary_tiers": [disk]}, delay_s=0.4, requests=16)
+    # each disk read sleeps twice a recompute of the prompt on this machine: any load loses to recomputing
+    found = slowed(tiny_model, {"cpu_bytes_to_use": 8 << 20, "secondary_tiers": [disk]}, delay="2x", requests=16)
     slow = [r for r in found["requests"] if r["phase"] == "slow"]
     from_disk = [r for r in slow if r["disk_blocks"]]
     assert 1 <= len(from_disk) <= 3, "the first loads measure the disk; then its loads lose to recomputing"

@@ -1,10 +1,11 @@
 """The guard and the decision in a real engine, against a disk tier slowed on purpose: prints one JSON line.
 
-    python -m tests.vllm.guard MODEL_DIR CONFIG_JSON DELAY_S [REQUESTS]
+    python -m tests.vllm.guard MODEL_DIR CONFIG_JSON DELAY [REQUESTS]
 
 Eight prompts (a 2,048-token prefix of its own and a short suffix each) are served once, which leaves them on
 disk (the host tier holds two, the engine three). Then they are served in turn, one at a time, with every disk
-read slowed by DELAY_S: REQUESTS of them if given; else until the guard turns the disk off (or 40 s pass) and
+read slowed by DELAY (seconds; or `Nx`: N times the slowest recompute of the first serving, whatever this
+machine's speed): REQUESTS of them if given; else until the guard turns the disk off (or 40 s pass) and
 4 s more, then at full speed until the guard has it back on (or 40 s pass). Each request: its phase, TTFT,
 cached tokens, blocks read from disk, logprobs, the guard's state of the disk before and after it, and `kvtier_tier_enabled{tier="disk"}` as
 vLLM's Prometheus registry shows it after it.
@@ -71,7 +72,10 @@ def main() -> None:
             if reached is not None and time.monotonic() - reached >= then_s:
                 return
 
-    delay_file.write_text(sys.argv[3])
+    delay = sys.argv[3]
+    if delay.endswith("x"):  # relative to recomputing here: a CPU without AVX-512 prefills ~10x slower
+        delay = str(float(delay[:-1]) * max(r["ttft"] for r in results[1:]))
+    delay_file.write_text(delay)
     if len(sys.argv) > 4:
         until("slow", lambda: False, 600, requests=int(sys.argv[4]))
     else:
@@ -82,7 +86,8 @@ def main() -> None:
     serve(PROMPTS[0], "engine hit")
     transitions = [] if guard is None else [{"tier": t.tier, "to": t.to.value, "reason": t.reason}
                                            for t in guard.history]
-    print(json.dumps({"requests": results, "transitions": transitions, "prometheus": kvtier_series(),
+    print(json.dumps({"requests": results, "delay_s": float(delay), "transitions": transitions,
+                      "prometheus": kvtier_series(),
                       "decisions": {f"{t}|{d}": n for (t, d), n in control.decider.decisions.items()}}))
 
 
