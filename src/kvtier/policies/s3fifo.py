@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 from kvtier.policies.base import DEFAULT_PRIORITY, EvictionPolicy, Key
 
+SMALL_RATIO, GHOST_RATIO, MOVE_TO_MAIN_THRESHOLD = 0.10, 0.90, 2  # libCacheSim's S3FIFO
+
 
 class S3FIFOPolicy(EvictionPolicy):
     name = "s3fifo"
@@ -18,9 +20,9 @@ class S3FIFOPolicy(EvictionPolicy):
     def __init__(
         self,
         capacity_blocks: int,
-        small_ratio: float = 0.10,
-        ghost_ratio: float = 0.90,
-        move_to_main_threshold: int = 2,
+        small_ratio: float = SMALL_RATIO,
+        ghost_ratio: float = GHOST_RATIO,
+        move_to_main_threshold: int = MOVE_TO_MAIN_THRESHOLD,
     ) -> None:
         super().__init__(capacity_blocks)
         self.small_capacity = max(1, int(capacity_blocks * small_ratio))

@@ -16,11 +16,12 @@ from collections.abc import Callable
 import numpy as np
 from numba import njit
 
+from kvtier.policies.s3fifo import GHOST_RATIO, MOVE_TO_MAIN_THRESHOLD, SMALL_RATIO
+
 _NONE = -1
 # queue numbers (0: in no queue)
 _LRU, _T1, _T2, _B1, _B2 = 1, 1, 2, 3, 4
 _SMALL, _MAIN, _GHOST = 1, 2, 3
-S3FIFO_SMALL_RATIO, S3FIFO_GHOST_RATIO, S3FIFO_THRESHOLD = 0.10, 0.90, 2  # as S3FIFOPolicy's defaults
 
 
 def replay_ids(policy: str, ids: np.ndarray, starts: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
@@ -158,9 +159,9 @@ def s3fifo(ids, starts, capacity, distinct):
     """S3FIFOPolicy at its defaults: small FIFO, main FIFO with a 2-bit clock, ghost FIFO; warm-up."""
     where, prev, nxt, head, tail, size = queues(distinct, 3)
     freq = np.zeros(distinct, np.int64)
-    small_capacity = max(1, int(capacity * S3FIFO_SMALL_RATIO))
+    small_capacity = max(1, int(capacity * SMALL_RATIO))
     main_capacity = max(1, capacity - small_capacity)
-    ghost_capacity = int(capacity * S3FIFO_GHOST_RATIO)
+    ghost_capacity = int(capacity * GHOST_RATIO)
     has_evicted = False
     n = len(starts) - 1
     hits, lead = np.zeros(n, np.int64), np.zeros(n, np.int64)
@@ -192,7 +193,7 @@ def s3fifo(ids, starts, capacity, distinct):
                         break
                     victim = head[_SMALL]
                     unlink(victim, where, prev, nxt, head, tail, size)
-                    if freq[victim] >= S3FIFO_THRESHOLD:
+                    if freq[victim] >= MOVE_TO_MAIN_THRESHOLD:
                         freq[victim] = 0
                         append(_MAIN, victim, where, prev, nxt, head, tail, size)
                         continue

@@ -110,7 +110,7 @@ def fast_replay(
 
 
 def _compiled(requests: list[TraceRequest], policy: str, capacity: int) -> FastReplayResult:
-    from kvtier.sim.compiled_replay import dense_ids, replay_ids  # noqa: PLC0415 - numba, on first use
+    from kvtier.sim.compiled_replay import dense_ids, replay_ids  # here: numba is imported on first use only
 
     lengths = np.fromiter((len(r.blocks) for r in requests), np.int64, len(requests))
     starts = np.zeros(len(requests) + 1, np.int64)
