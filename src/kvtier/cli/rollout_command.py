@@ -16,7 +16,8 @@ tier; (4) hit quality: prompt tokens by source from the server's /metrics; (5) t
 rising concurrency, open-loop arrivals, streaming TTFT / ITL / end-to-end p50/p95/p99; (6) a disk tier and its
 drills: promotion burst, storage pressure, kill -9 restart, cache loss; (7) the rollback rule: the guard's
 TTFT budget (1.5 x the baseline's worst p99 unless given) on every level and drill, the guard running in the
-server, and a drill that slows the disk past the budget until the guard turns it off and back on.
+server, and a drill that slows the disk past the budget until the guard turns it off and back on (one request
+at a time: its budget is 1.5 x the baseline's p99 at concurrency 1 unless given).
 
 By default it starts `vllm serve` itself for each step: a tiny random-weight Llama built here, on this CPU.
 --command starts your server instead: a shell template with {port} and {kv_transfer_config}, e.g.

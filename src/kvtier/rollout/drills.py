@@ -17,7 +17,9 @@ import shutil
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvtier.integrations.vllm.tiny_model import ENGINE_BLOCK_TOKENS, ENGINE_BLOCKS
 from kvtier.rollout import client, faults
+from kvtier.rollout.run import BLOCK_NBYTES, BLOCK_TOKENS
 
 if TYPE_CHECKING:
     from kvtier.rollout.run import Rollout
@@ -71,19 +73,25 @@ def outcome(name: str, summary: dict, what: str, check: bool, meaning: str, inje
 
 
 def rollback(ro: Rollout, server: Server, budget_ms: float) -> dict:
-    """Slow disk reads past the budget until the guard turns the disk off, then heal them until it is back."""
+    """Slow disk reads past the budget until the guard turns the disk off, then heal them until it is back.
+
+    Each prompt's prefix is one kvtier block, so a request that reads the disk waits for one slowed read: its
+    TTFT is just over the budget, and the guard's windows (`Rollout.guard`) hold two such requests."""
     from kvtier.rollout.workload import VOCAB
 
     rng = random.Random(ro.opts.seed)
-    prefixes = [[rng.randrange(3, VOCAB) for _ in range(2048 + 64)] for _ in range(8)]
-    prompts = [client.Prompt(p, "rollback", 2) for p in prefixes]
-    stored = ro.measure(server, "rollback: store 8 prefixes", prompts, rate=None)
+    count = ro.opts.host_bytes // BLOCK_NBYTES + ENGINE_BLOCKS * ENGINE_BLOCK_TOKENS // BLOCK_TOKENS + 8
+    prompts = [client.Prompt([rng.randrange(3, VOCAB) for _ in range(BLOCK_TOKENS + 64)], "rollback", 2)
+               for _ in range(count)]  # more than the engine's cache and the host tier hold: the disk has the rest
+    stored = ro.measure(server, f"rollback: store {count} prefixes", prompts, rate=None)
     delay = max(0.3, budget_ms / 1e3)
+    guard = ro.guard("rollback") or {}
+    limit_s = max(40.0, 4 * guard.get("window_s", 5.0) + guard.get("hold_s", 0.0))
     faults.set_read_delay(ro.root, delay)
     start, timeline = time.monotonic(), list[dict[str, Any]]()
-    phases = [("slow", lambda on: not on, 40.0, 4.0), ("healed", lambda on: on, 40.0, 0.0)]
+    phases = [("slow", lambda on: not on, 4.0), ("healed", lambda on: on, 0.0)]
     try:
-        for phase, done, limit_s, then_s in phases:
+        for phase, done, then_s in phases:
             if phase == "healed":
                 faults.set_read_delay(ro.root, 0)
             began, reached, i = time.monotonic(), None, 0
@@ -104,9 +112,10 @@ def rollback(ro: Rollout, server: Server, budget_ms: float) -> dict:
     back_at = next((e["t"] for e in timeline if e["phase"] == "healed" and e["disk_enabled"]), None)
     host_changed = sum(v for k, v in after.items() if 'tier="host"' in k)
     passed = off_at is not None and back_at is not None and not host_changed and not any(e["error"] for e in timeline)
-    outcome = "FAILED: the guard did not turn the disk off and back on within 40 s each, or turned the host off"
+    outcome = f"FAILED: the guard did not turn the disk off and back on within {limit_s:.0f} s each, or turned the host off"
     if passed and off_at is not None and back_at is not None:
         outcome = f"the guard turned the disk off after {off_at:.0f} s and back on {back_at - off_at:.0f} s later"
-    return {"drill": "slow disk", "what": f"every disk read sleeps {delay:.2f} s (injected), load_policy always",
-            "injected": True, "stored": stored["tokens"], "timeline": timeline, "off_after_s": off_at,
+    what = (f"every disk read sleeps {delay:.2f} s (injected), load_policy always; budget {budget_ms:,.0f} ms, "
+            f"guard windows of {guard.get('window_s', 0):.0f} s")
+    return {"drill": "slow disk", "what": what, "budget_ms": budget_ms, "window_s": guard.get("window_s"), "injected": True, "stored": stored["tokens"], "timeline": timeline, "off_after_s": off_at,
             "back_after_s": back_at, "guard_transitions": after, "passed": passed, "outcome": outcome}

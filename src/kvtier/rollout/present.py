@@ -85,14 +85,15 @@ def write_html(report: dict, path: Path) -> None:
         bottom = [b + v for b, v in zip(bottom, values)]
     _finish(ax, "step", "prompt tokens", "prompt tokens by source (all levels)")
     figures.append(_png(fig))
-    timeline = next((d["timeline"] for s in report["steps"] for d in s.get("drills", []) if "timeline" in d), None)
-    if timeline:
+    drill = next((d for s in report["steps"] for d in s.get("drills", []) if "timeline" in d), None)
+    if drill:
+        timeline = drill["timeline"]
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.scatter([e["t"] for e in timeline], [e["ttft_ms"] for e in timeline],
                    c=["tab:green" if e["disk_enabled"] else "tab:red" for e in timeline], s=12)
-        if report.get("budget_ms"):
-            ax.axhline(report["budget_ms"], color="red", linestyle="--")
-        _finish(ax, "seconds", "TTFT (ms)", "rollback drill: slow disk (red: the guard has the disk off)", legend=False)
+        ax.axhline(drill["budget_ms"], color="red", linestyle="--")
+        _finish(ax, "seconds", "TTFT (ms)", "rollback drill: slow disk (red: the guard has the disk off; dashed: "
+                "its budget)", legend=False)
         figures.append(_png(fig))
     texts = "".join(f"<pre>{html.escape(_plain(t))}</pre>" for t in tables(report))
     images = "".join(f'<img src="data:image/png;base64,{f}">' for f in figures)

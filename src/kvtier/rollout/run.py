@@ -25,9 +25,11 @@ from kvtier.rollout.server import MAX_MODEL_LEN, Server, embedded_command, free_
 
 STEPS = ("reference", "baseline", "headroom", "host", "host+disk", "rollback")
 KV_BYTES_PER_TOKEN = 2048  # the tiny model: 4 layers x K and V x 2 KV heads x 64 x bf16
-BLOCK_NBYTES = 256 * KV_BYTES_PER_TOKEN  # a kvtier block of 256 tokens
+BLOCK_TOKENS = 256  # kvtier's block
+BLOCK_NBYTES = BLOCK_TOKENS * KV_BYTES_PER_TOKEN
 KVTIER_FIGURES = ("kvtier_lookup_tokens_total", "kvtier_guard_transitions_total", "kvtier_stores_dropped_total",
                   "kvtier_load_decisions_total", "kvtier_evictions_total")
+DRILL_WINDOW_BUDGETS = 3  # the rollback drill's guard window, in budgets: two slowed requests and a margin
 SOURCES = {"device": "engine", "host": "host", "disk": "disk", "external_unspecified": "remote", "p2p": "remote"}
 
 
@@ -94,15 +96,19 @@ class Rollout:
         finally:
             self.progress.remove_task(task)
 
-    def guard(self) -> dict | None:
-        budget = self.report.get("budget_ms")
+    def guard(self, step: str) -> dict | None:
+        """Windows short enough to act within a run: 5 s, or, for the rollback drill, long enough to hold two of
+        its requests, each slowed past the budget (one request at a time)."""
+        budget = self.report.get("drill_budget_ms" if step == "rollback" else "budget_ms")
         if budget is None:
             return None
-        return {"ttft_p99_ms": budget, "window_s": 5, "breach_windows": 2, "of_windows": 3, "min_requests": 2,
-                "hold_s": 6, "probe_share": 0.5}
+        window_s = max(5.0, DRILL_WINDOW_BUDGETS * budget / 1e3) if step == "rollback" else 5.0
+        return {"ttft_p99_ms": budget, "window_s": window_s, "breach_windows": 2, "of_windows": 3,
+                "min_requests": 2, "hold_s": 6, "probe_share": 0.5}
 
     def kvtier(self, step: str) -> dict:
-        host = {"cpu_bytes_to_use": self.opts.host_bytes, **({"guard": self.guard()} if self.guard() else {})}
+        guard = self.guard(step)
+        host = {"cpu_bytes_to_use": self.opts.host_bytes, **({"guard": guard} if guard else {})}
         if step == "host":
             return host
         disk = {"type": "fs", "root_dir": str(self.root / step / "kv"), "max_bytes": self.opts.disk_bytes}
@@ -178,6 +184,13 @@ def budget_from(baseline: list[dict]) -> float:
     return 10 * math.ceil(1.5 * max(level["ttft_ms"]["p99"] for level in baseline) / 10)
 
 
+def drill_budget_from(baseline: list[dict]) -> float:
+    """The rollback drill's budget when none is given: the rule applied to the baseline at the drill's own load,
+    one request at a time. Its worst level can be queueing (open-loop arrivals past a CPU server's capacity)."""
+    closed = [level for level in baseline if level["rate_per_s"] is None]
+    return budget_from(closed or baseline[:1])
+
+
 def run(opts: Options, console: Any = None) -> dict:
     from rich.progress import Progress
 
@@ -190,6 +203,6 @@ def run(opts: Options, console: Any = None) -> dict:
             Progress(console=console, transient=True) as progress:
         ro = Rollout(opts, Path(tmp), progress)
         ro.report = {"options": {k: str(v) if isinstance(v, Path) else v for k, v in opts.__dict__.items()},
-                     "budget_ms": opts.ttft_budget_ms, "steps": []}
+                     "budget_ms": opts.ttft_budget_ms, "drill_budget_ms": opts.ttft_budget_ms, "steps": []}
         steps.run_all(ro)
         return ro.report

@@ -8,7 +8,7 @@ from pathlib import Path
 from kvtier.demo import exactness
 from kvtier.rollout import drills, faults
 from kvtier.integrations.vllm.tiny_model import ENGINE_BLOCK_TOKENS, ENGINE_BLOCKS
-from kvtier.rollout.run import KV_BYTES_PER_TOKEN, Rollout, budget_from, quantiles
+from kvtier.rollout.run import KV_BYTES_PER_TOKEN, Rollout, budget_from, drill_budget_from, quantiles
 from kvtier.rollout.server import ENGINE_ENV
 
 
@@ -39,13 +39,14 @@ def serve(ro: Rollout, step: str) -> dict:
     entry: dict = {"name": step, "config": kvtier, "engine_blocks": None if ro.opts.command else blocks}
     try:
         if step == "rollback":
-            budget = ro.report["budget_ms"]
+            budget = ro.report["drill_budget_ms"]
             entry["drills"] = [drills.rollback(ro, server, budget)] if budget else []
             return entry
         entry["levels"] = ro.levels(server, step)
         entry["server_rss_bytes"] = server.rss_bytes()
         if step == "baseline" and ro.report["budget_ms"] is None:
             ro.report["budget_ms"] = budget_from(entry["levels"])
+            ro.report["drill_budget_ms"] = drill_budget_from(entry["levels"])
         if step == "host+disk":
             entry["drills"] = drills.secondary(ro, server, step)
         entry["startup_line"] = next((line.split("kvtier: ", 1)[1] for line in server.log_tail(200_000).splitlines()
