@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
                           "sends the built-in mix (shared system prompts, RAG documents, multi-turn sessions, unique "
                           "prompts, long and short) over HTTP: reference, baseline, headroom, + host, + host and disk "
                           "with its drills, and the rollback drill. Exit code 1 if a request served from a tier "
-                          "differs from the reference with the same cached length, or a drill fails.")
+                          "differs from the reference with the same cached KV lineage, or a drill fails.")
     rollout_command.common(demo, requests=24)
     demo.set_defaults(html=Path("out/demo.html"))
     demo.add_argument("--in-process", action="store_true", help="no vLLM: the same tiers behind an in-process "

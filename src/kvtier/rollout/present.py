@@ -17,8 +17,8 @@ def tables(report: dict) -> list[Any]:
 
     budget = report.get("budget_ms")
     levels = Table(title=f"kvtier rollout: every step at rising concurrency; prompt tokens by source from /metrics; "
-                   f"TTFT budget {_ms(budget)}; exact: requests with the reference's cached length identical bit for "
-                   "bit", title_justify="left")
+                   f"TTFT budget {_ms(budget)}; exact: requests whose cached KV has the reference's lineage, identical "
+                   "bit for bit", title_justify="left")
     for col in ("step", "conc.", "TTFT ms p50/p95/p99", "ITL ms p50/p99", "e2e p99", *SOURCES, "errors",
                 "in budget", "exact"):
         levels.add_column(col, justify="left" if col == "step" else "right", no_wrap=True)

@@ -22,7 +22,7 @@ def run_all(ro: Rollout) -> None:
     for step in ro.opts.steps:
         entry = headroom(ro) if step == "headroom" else serve(ro, step)
         ro.report["steps"].append(entry)
-    conclude(ro.report)
+    conclude(ro.report, [p.tokens for p in ro.workload(1)])
 
 
 def serve(ro: Rollout, step: str) -> dict:
@@ -71,15 +71,17 @@ def headroom(ro: Rollout) -> dict:
             "host_tier_bytes": ro.opts.host_bytes, "fits": ro.opts.host_bytes <= left}
 
 
-def conclude(report: dict) -> None:
-    """Exactness against the reference, the rollback rule on every level and drill, the headline comparisons."""
+def conclude(report: dict, prompts: list[list[int]]) -> None:
+    """Exactness against the reference (`prompts`: level 1's), the rollback rule on every level and drill, the
+    headline comparisons."""
     steps = {s["name"]: s for s in report["steps"]}
     reference = steps.get("reference")
     checks = []
     for s in report["steps"]:
         if reference is None or s is reference or not s.get("levels"):
             continue
-        s["exactness"] = exactness.check(reference["levels"][0]["results"], s["levels"][0]["results"])
+        s["exactness"] = exactness.check(reference["levels"][0]["results"], s["levels"][0]["results"], prompts,
+                                         ENGINE_BLOCK_TOKENS)
         checks.append(s["exactness"]["exact"])
     report["exact"] = all(checks) if checks else None
     budget = report.get("budget_ms")
