@@ -6,8 +6,8 @@
 - restart: kill -9 of the whole server, then the same configuration again: what the disk tier kept comes back;
 - cache loss: every file of the tier deleted under the running server: its blocks become misses, recomputed.
 A drill passes when no request failed and its own check holds. The rollback drill slows every disk read
-(injected) in a server that must load whatever the disk has (`load_policy: always`), until the guard turns the
-disk off, then heals it until the guard has it back.
+(injected) in a server that must load whatever the disk has (`load_policy: always`; its disk admits every block
+host evicts), until the guard turns the disk off, then heals it until the guard has it back.
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ def rollback(ro: Rollout, server: Server, budget_ms: float) -> dict:
     outcome = f"FAILED: the guard did not turn the disk off and back on within {limit_s:.0f} s each, or turned the host off"
     if passed and off_at is not None and back_at is not None:
         outcome = f"the guard turned the disk off after {off_at:.0f} s and back on {back_at - off_at:.0f} s later"
-    what = (f"every disk read sleeps {delay:.2f} s (injected), load_policy always; budget {budget_ms:,.0f} ms, "
+    what = (f"every disk read sleeps {delay:.2f} s (injected), load_policy always, the disk admits every block "
+            f"host evicts; budget {budget_ms:,.0f} ms, "
             f"guard windows of {guard.get('window_s', 0):.0f} s")
     return {"drill": "slow disk", "what": what, "budget_ms": budget_ms, "window_s": guard.get("window_s"), "injected": True, "stored": stored["tokens"], "timeline": timeline, "off_after_s": off_at,
             "back_after_s": back_at, "guard_transitions": after, "passed": passed, "outcome": outcome}

@@ -112,8 +112,9 @@ class Rollout:
         if step == "host":
             return host
         disk = {"type": "fs", "root_dir": str(self.root / step / "kv"), "max_bytes": self.opts.disk_bytes}
-        extra = {"load_policy": "always"} if step == "rollback" else {}
-        return {**host, "secondary_tiers": [disk], **extra}
+        if step == "rollback":  # the drill is about the guard: the disk keeps what host evicts, and is read
+            return {**host, "secondary_tiers": [{**disk, "admission": {"min_sightings": 1}}], "load_policy": "always"}
+        return {**host, "secondary_tiers": [disk]}
 
     # ---------------------------------------------------------------- traffic
 
