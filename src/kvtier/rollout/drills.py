@@ -112,11 +112,12 @@ def rollback(ro: Rollout, server: Server, budget_ms: float) -> dict:
     back_at = next((e["t"] for e in timeline if e["phase"] == "healed" and e["disk_enabled"]), None)
     host_changed = sum(v for k, v in after.items() if 'tier="host"' in k)
     passed = off_at is not None and back_at is not None and not host_changed and not any(e["error"] for e in timeline)
-    outcome = f"FAILED: the guard did not turn the disk off and back on within {limit_s:.0f} s each, or turned the host off"
+    outcome = (f"FAILED: the guard did not turn the disk off and back on within {limit_s:.0f} s each, or turned "
+               "the host off")
     if passed and off_at is not None and back_at is not None:
         outcome = f"the guard turned the disk off after {off_at:.0f} s and back on {back_at - off_at:.0f} s later"
     what = (f"every disk read sleeps {delay:.2f} s (injected), load_policy always, the disk admits every block "
-            f"host evicts; budget {budget_ms:,.0f} ms, "
-            f"guard windows of {guard.get('window_s', 0):.0f} s")
-    return {"drill": "slow disk", "what": what, "budget_ms": budget_ms, "window_s": guard.get("window_s"), "injected": True, "stored": stored["tokens"], "timeline": timeline, "off_after_s": off_at,
+            f"host evicts; budget {budget_ms:,.0f} ms, guard windows of {guard.get('window_s', 0):.0f} s")
+    return {"drill": "slow disk", "what": what, "budget_ms": budget_ms, "window_s": guard.get("window_s"),
+            "injected": True, "stored": stored["tokens"], "timeline": timeline, "off_after_s": off_at,
             "back_after_s": back_at, "guard_transitions": after, "passed": passed, "outcome": outcome}
