@@ -24,3 +24,21 @@ def test_bench_quick_writes_every_figure(tmp_path):
     assert result["sim"]["replay_lru_hit_ratio"] == result["sim"]["libcachesim_lru_hit_ratio"]
     assert set(result["redis"]["redis_vs_raw"]) == {"256KiB", "1MiB", "4MiB"}
     assert all(case["tier_get_GBps"] > 0 and case["tier_put_GBps"] > 0 for case in result["redis"]["redis_vs_raw"].values())
+
+
+def test_the_simulator_table_shows_every_replay_target_and_its_verdict():
+    from rich.console import Console
+
+    from kvtier.bench.simulator import TARGETS
+    from kvtier.bench.tables import print_simulator
+
+    sim = {"accesses": 10, "targets": TARGETS, "replay_lru_accesses_per_s": 4e6, "replay_arc_accesses_per_s": 2e6,
+           "replay_s3fifo_accesses_per_s": 5e6,
+           "targets_met": {"replay_lru_accesses_per_s": True, "replay_arc_accesses_per_s": False,
+                           "replay_s3fifo_accesses_per_s": True}}
+    console = Console(record=True, width=200)
+    print_simulator(console, sim)
+    rows = {line.split()[1]: line for line in console.export_text().splitlines() if "replay_" in line}
+    for policy, verdict in (("lru", "ok"), ("arc", "MISSED"), ("s3fifo", "ok")):
+        name = f"replay_{policy}_accesses_per_s"
+        assert f"≥ {TARGETS[name] / 1e6:.2f} M/s" in rows[name] and rows[name].rstrip(" │").endswith(verdict)
