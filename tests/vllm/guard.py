@@ -73,7 +73,7 @@ def main() -> None:
                 return
 
     delay = sys.argv[3]
-    if delay.endswith("x"):  # relative to recomputing here: a CPU without AVX-512 prefills ~10x slower
+    if delay.endswith("x"):  # relative to recomputing here: CPUs without AVX-512 prefill far slower
         delay = str(float(delay[:-1]) * max(r["ttft"] for r in results[1:]))
     delay_file.write_text(delay)
     if len(sys.argv) > 4:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvtier.keys import chain_keys
+
 
 def check(reference: Sequence[dict], runs: Sequence[dict], prompts: Sequence[Sequence[int]], block_tokens: int) -> dict:
     """`reference` and `runs`: per request of `prompts` (sent in that order, one at a time), its `cached` tokens,
@@ -46,13 +48,10 @@ def lineage(results: Sequence[dict], prompts: Sequence[Sequence[int]], block_tok
     """Per request, a fingerprint of the computation that made its output: which request it is, how much it
     found cached, and the fingerprints of the computations that made those cached blocks (None: a cached block
     of unknown or mixed origin, one computed twice)."""
-    made_by: dict[int, int | None] = {}  # a block (its prefix-chained hash) -> the fingerprint of its prefill
+    made_by: dict[bytes, int | None] = {}  # a block (its key, which names its prefix) -> its prefill's fingerprint
     out: list[int | None] = []
     for index, (result, tokens) in enumerate(zip(results, prompts)):
-        chain, keys = 0, []
-        for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
-            chain = hash((chain, tuple(tokens[start:start + block_tokens])))
-            keys.append(chain)
+        keys = chain_keys(tokens, block_tokens)
         cached = min(result["cached"] // block_tokens, len(keys))
         inputs = tuple(made_by.get(key) for key in keys[:cached])
         fingerprint = None if None in inputs else hash((index, cached, inputs))
