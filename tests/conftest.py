@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -68,9 +69,15 @@ def redis_server(tmp_path):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def vllm_sockets(tmp_path_factory) -> None:
-    """vLLM leaves its processes' sockets behind, in /tmp unless told: in this run's own folder instead."""
-    os.environ.setdefault("VLLM_RPC_BASE_PATH", str(tmp_path_factory.mktemp("vllm-sockets")))
+def contained_temp_files(tmp_path_factory) -> None:
+    """vLLM leaves files in the temp folder (its processes' sockets, its process group's file store): this run's
+    own folder instead of /tmp, for this process and every process it starts. Torch's compiled kernels stay where
+    torch keeps them, for later runs to reuse."""
+    from kvtier.rollout.server import inductor_cache_dir
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+    folder = str(tmp_path_factory.mktemp("temp"))
+    os.environ["TMPDIR"] = tempfile.tempdir = folder  # vLLM's sockets go to the temp folder unless told otherwise
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,11 @@ def test_the_rollout_on_the_embedded_default(tmp_path, served_model):
     from kvtier.rollout.present import write_html
     from kvtier.rollout.run import Options, run
 
+    temp = Path(tempfile.gettempdir())
+    before = set(temp.iterdir())
     report = run(Options(requests=12, levels=(1, 2), model=Path(served_model)), Console(file=open(os.devnull, "w")))
+    left = set(temp.iterdir()) - before  # the servers' sockets and files, the restart drill's kill -9 included
+    assert not left, f"the rollout left {sorted(p.name for p in left)} in the temp folder"
     steps = {s["name"]: s for s in report["steps"]}
     assert list(steps) == ["reference", "baseline", "headroom", "host", "host+disk", "rollback"]
     assert report["exact"] is True
@@ -111,3 +116,28 @@ def test_bad_input_exits_2_naming_it_before_any_server_starts(args: list[str], n
     proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "rollout", *args], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and named in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("end", ["stop", "kill"])
+def test_a_server_leaves_nothing_in_the_temp_folder(tmp_path, end: str):
+    """What a server writes to its temp folder (vLLM's sockets, its process group's file store, which a stopped
+    or killed `vllm serve` leaves behind) goes with the server; torch's compiled kernels are kept outside it."""
+    import time
+
+    from kvtier.rollout.server import Server
+
+    temp = Path(tempfile.gettempdir())
+    before = set(temp.iterdir())
+    seen = tmp_path / "seen"
+    script = (f'touch "$TMPDIR/vllm_dist_0" "$VLLM_RPC_BASE_PATH/socket" && echo "$TORCHINDUCTOR_CACHE_DIR" > {seen}'
+              " && exec sleep 60")
+    server = Server(["/bin/sh", "-c", script], 0, tmp_path / "server.log")
+    deadline = time.monotonic() + 30
+    while not seen.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    written = [p for p in set(temp.iterdir()) - before for p in p.rglob("*")]
+    assert sorted(p.name for p in written) == ["socket", "vllm_dist_0"]  # in a folder of its own, for now
+    cache = seen.read_text().strip()
+    assert cache and not Path(cache).is_relative_to(written[0].parent)
+    getattr(server, end)()
+    assert set(temp.iterdir()) == before

@@ -22,6 +22,7 @@ in the same run on the same machine. Medians over several prompts; one fresh eng
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import statistics
@@ -117,6 +118,7 @@ def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
     console = console or Console()
     with tempfile.TemporaryDirectory(prefix="kvtier-vbench-") as tmp:
         root = Path(tmp)
+        scratch_env = {**os.environ, "TMPDIR": tmp}  # what vLLM leaves in its temp folder goes with this one
         model = build_tiny_llama(root / "model")
         disk = {"type": "fs", "root_dir": str(root / "kv"), "max_bytes": 256 * (BLOCK_NBYTES + 4096)}
         every = {**disk, "admission": {"min_sightings": 1}}  # the disk paths themselves: every eviction goes down
@@ -137,7 +139,7 @@ def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
             out = root / "engine.json"
             shutil.rmtree(root / "kv", ignore_errors=True)
             proc = subprocess.run([sys.executable, "-m", "kvtier.bench.vllm_engine", mode, model, json.dumps(config),
-                                   str(out), *map(str, args)], capture_output=True, text=True)
+                                   str(out), *map(str, args)], capture_output=True, text=True, env=scratch_env)
             if proc.returncode != 0:
                 raise RuntimeError(f"engine '{label}' failed:\n{proc.stderr[-3000:]}")
             return json.loads(out.read_text())

@@ -9,6 +9,7 @@ A template is a shell command with `{port}` and `{kv_transfer_config}` (the JSON
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import re
@@ -34,6 +35,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def inductor_cache_dir() -> str:
+    """Where torch keeps its compiled kernels by default (`torch._inductor.runtime.cache_dir_utils`)."""
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser()))
 
 
 def transfer_config(kvtier: dict | None) -> dict | None:
@@ -64,18 +70,19 @@ class Server:
     def __init__(self, command: list[str], port: int, log: Path, env: dict[str, str] | None = None,
                  model: str | None = None) -> None:
         self.command, self.port, self.log_path, self.model = command, port, log, model
-        self.env = {**os.environ, **ENGINE_ENV, **(env or {})}
-        # vLLM names its processes' sockets there and leaves them behind: a folder of ours, removed at the end
-        self._sockets: str | None = None
-        if "VLLM_RPC_BASE_PATH" not in self.env:
-            self._sockets = self.env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="kvtier-vllm-")
+        # vLLM leaves files in its temp folder (its processes' sockets, its process group's file store): a folder
+        # of ours, removed once the server is gone. Torch's compiled kernels stay where torch keeps them, for the
+        # next server to reuse.
+        self._scratch = tempfile.mkdtemp(prefix="kvtier-vllm-")
+        self.env = {**os.environ, **ENGINE_ENV, "TMPDIR": self._scratch, **(env or {})}
+        self.env.setdefault("VLLM_RPC_BASE_PATH", self._scratch)
+        self.env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
         self.proc: subprocess.Popen | None = None
         self.start()
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        if self._sockets is not None:
-            os.makedirs(self._sockets, exist_ok=True)
+        os.makedirs(self._scratch, exist_ok=True)
         with self.log_path.open("a") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True)
@@ -140,7 +147,7 @@ class Server:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-        self._remove_sockets()
+        self._remove_scratch()
 
     def stop(self, timeout_s: float = 60) -> None:
         """SIGTERM, as an orchestrator stops a server; SIGKILL if it has not exited after `timeout_s`."""
@@ -150,9 +157,8 @@ class Server:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
-        self._remove_sockets()
+        self._remove_scratch()
 
-    def _remove_sockets(self) -> None:
-        """The server is gone: so are the sockets it left (`start` makes their folder again)."""
-        if self._sockets is not None:
-            shutil.rmtree(self._sockets, ignore_errors=True)
+    def _remove_scratch(self) -> None:
+        """The server is gone: so are the files it left (`start` makes their folder again)."""
+        shutil.rmtree(self._scratch, ignore_errors=True)
