@@ -141,3 +141,13 @@ def test_a_server_leaves_nothing_in_the_temp_folder(tmp_path, end: str):
     assert cache and not Path(cache).is_relative_to(written[0].parent)
     getattr(server, end)()
     assert set(temp.iterdir()) == before
+
+
+def test_a_server_that_cannot_start_leaves_nothing_in_the_temp_folder(tmp_path):
+    from kvtier.rollout.server import Server
+
+    temp = Path(tempfile.gettempdir())
+    before = set(temp.iterdir())
+    with pytest.raises(FileNotFoundError):
+        Server([str(tmp_path / "no-such-server")], 0, tmp_path / "server.log")
+    assert set(temp.iterdir()) == before

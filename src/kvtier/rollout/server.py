@@ -78,7 +78,11 @@ class Server:
         self.env.setdefault("VLLM_RPC_BASE_PATH", self._scratch)
         self.env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
         self.proc: subprocess.Popen | None = None
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self._remove_scratch()
+            raise
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
