@@ -31,16 +31,19 @@ def same_as_the_clients(run: dict) -> None:
         assert found - 256 * run["requests"] <= tokens[source] <= found, (run["label"], source)
 
 
+def in_temp_folder() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).iterdir())
+
+
 def test_the_rollout_on_the_embedded_default(tmp_path, served_model):
     from rich.console import Console
 
     from kvtier.rollout.present import write_html
     from kvtier.rollout.run import Options, run
 
-    temp = Path(tempfile.gettempdir())
-    before = set(temp.iterdir())
+    before = in_temp_folder()
     report = run(Options(requests=12, levels=(1, 2), model=Path(served_model)), Console(file=open(os.devnull, "w")))
-    left = set(temp.iterdir()) - before  # the servers' sockets and files, the restart drill's kill -9 included
+    left = in_temp_folder() - before  # the servers' sockets and files, the restart drill's kill -9 included
     assert not left, f"the rollout left {sorted(p.name for p in left)} in the temp folder"
     steps = {s["name"]: s for s in report["steps"]}
     assert list(steps) == ["reference", "baseline", "headroom", "host", "host+disk", "rollback"]
@@ -126,28 +129,26 @@ def test_a_server_leaves_nothing_in_the_temp_folder(tmp_path, end: str):
 
     from kvtier.rollout.server import Server
 
-    temp = Path(tempfile.gettempdir())
-    before = set(temp.iterdir())
+    before = in_temp_folder()
     seen = tmp_path / "seen"
     script = (f'touch "$TMPDIR/vllm_dist_0" "$VLLM_RPC_BASE_PATH/socket" && echo "$TORCHINDUCTOR_CACHE_DIR" > {seen}'
               " && exec sleep 60")
     server = Server(["/bin/sh", "-c", script], 0, tmp_path / "server.log")
     deadline = time.monotonic() + 30
-    while not seen.exists() and time.monotonic() < deadline:
+    while not (seen.exists() and seen.read_text().endswith("\n")) and time.monotonic() < deadline:
         time.sleep(0.05)
-    written = [p for p in set(temp.iterdir()) - before for p in p.rglob("*")]
+    written = [p for p in in_temp_folder() - before for p in p.rglob("*")]
     assert sorted(p.name for p in written) == ["socket", "vllm_dist_0"]  # in a folder of its own, for now
     cache = seen.read_text().strip()
     assert cache and not Path(cache).is_relative_to(written[0].parent)
     getattr(server, end)()
-    assert set(temp.iterdir()) == before
+    assert in_temp_folder() == before
 
 
 def test_a_server_that_cannot_start_leaves_nothing_in_the_temp_folder(tmp_path):
     from kvtier.rollout.server import Server
 
-    temp = Path(tempfile.gettempdir())
-    before = set(temp.iterdir())
+    before = in_temp_folder()
     with pytest.raises(FileNotFoundError):
         Server([str(tmp_path / "no-such-server")], 0, tmp_path / "server.log")
-    assert set(temp.iterdir()) == before
+    assert in_temp_folder() == before
