@@ -131,8 +131,8 @@ def test_a_server_leaves_nothing_in_the_temp_folder(tmp_path, end: str):
 
     before = in_temp_folder()
     seen = tmp_path / "seen"
-    script = (f'touch "$TMPDIR/vllm_dist_0" "$VLLM_RPC_BASE_PATH/socket" && echo "$TORCHINDUCTOR_CACHE_DIR" > {seen}'
-              " && exec sleep 60")
+    script = ('touch "$TMPDIR/vllm_dist_0" "${VLLM_RPC_BASE_PATH:-$TMPDIR}/socket"'  # vLLM's defaults
+              f' && echo "$TORCHINDUCTOR_CACHE_DIR" > {seen} && exec sleep 60')
     server = Server(["/bin/sh", "-c", script], 0, tmp_path / "server.log")
     deadline = time.monotonic() + 30
     while not (seen.exists() and seen.read_text().endswith("\n")) and time.monotonic() < deadline:

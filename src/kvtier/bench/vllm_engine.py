@@ -22,7 +22,6 @@ in the same run on the same machine. Medians over several prompts; one fresh eng
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import statistics
@@ -34,7 +33,7 @@ from typing import Any
 
 from kvtier.bench.redis_server import throwaway_redis
 from kvtier.bench.timing import percentile
-from kvtier.rollout.server import inductor_cache_dir
+from kvtier.rollout.server import temp_env
 
 PROMPT = 4032  # tokens: a ~4k prefix and the last engine block, within the tiny model's 4,096 positions
 FILLER = 2048
@@ -119,8 +118,7 @@ def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
     console = console or Console()
     with tempfile.TemporaryDirectory(prefix="kvtier-vbench-") as tmp:
         root = Path(tmp)
-        # what vLLM leaves in its temp folder goes with this one; torch's compiled kernels stay in torch's cache
-        scratch_env = {"TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir(), **os.environ, "TMPDIR": tmp}
+        scratch_env = temp_env(tmp)  # what the engines leave in their temp folder goes with this one
         model = build_tiny_llama(root / "model")
         disk = {"type": "fs", "root_dir": str(root / "kv"), "max_bytes": 256 * (BLOCK_NBYTES + 4096)}
         every = {**disk, "admission": {"min_sightings": 1}}  # the disk paths themselves: every eviction goes down

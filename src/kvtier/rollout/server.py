@@ -38,8 +38,16 @@ def free_port() -> int:
 
 
 def inductor_cache_dir() -> str:
-    """Where torch keeps its compiled kernels by default (`torch._inductor.runtime.cache_dir_utils`)."""
+    """Where torch keeps its compiled kernels by default: `torch._inductor.runtime.cache_dir_utils.default_cache_dir`,
+    written out because a rollout against another machine's server needs no torch here."""
     return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser()))
+
+
+def temp_env(folder: str) -> dict[str, str]:
+    """This environment for a vLLM process whose temp files go to `folder`: it leaves some there (its processes'
+    sockets, its process group's file store), even when stopped cleanly. Torch's compiled kernels stay where
+    torch keeps them, for the next process to reuse."""
+    return {"TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir(), **os.environ, "TMPDIR": folder}
 
 
 def transfer_config(kvtier: dict | None) -> dict | None:
@@ -70,13 +78,8 @@ class Server:
     def __init__(self, command: list[str], port: int, log: Path, env: dict[str, str] | None = None,
                  model: str | None = None) -> None:
         self.command, self.port, self.log_path, self.model = command, port, log, model
-        # vLLM leaves files in its temp folder (its processes' sockets, its process group's file store): a folder
-        # of ours, removed once the server is gone. Torch's compiled kernels stay where torch keeps them, for the
-        # next server to reuse.
-        self._scratch = tempfile.mkdtemp(prefix="kvtier-vllm-")
-        self.env = {**os.environ, **ENGINE_ENV, "TMPDIR": self._scratch, **(env or {})}
-        self.env.setdefault("VLLM_RPC_BASE_PATH", self._scratch)
-        self.env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+        self._scratch = tempfile.mkdtemp(prefix="kvtier-vllm-")  # removed once the server is gone
+        self.env = {**temp_env(self._scratch), **ENGINE_ENV, **(env or {})}
         self.proc: subprocess.Popen | None = None
         try:
             self.start()
