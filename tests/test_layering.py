@@ -4,6 +4,8 @@ files stay small, the mover needs no `type: ignore`."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import kvtier
@@ -84,3 +86,13 @@ def test_files_stay_small_and_the_mover_needs_no_type_ignore():
     assert not big, f"files over 400 lines: {big}"
     for path in (SRC / "mover").glob("*.py"):
         assert "type: ignore" not in path.read_text(), path.name
+
+
+def test_the_rollout_imports_neither_vllm_nor_torch():
+    """`kvtier rollout` drives a server over HTTP (often another machine's): it checks its arguments, and runs,
+    without importing an engine. vLLM is imported by the servers it starts, and looks its connector up by name."""
+    rollout = [f"kvtier.rollout.{p.stem}" for p in (SRC / "rollout").glob("*.py") if p.stem != "__init__"]
+    code = (f"import sys\nfor m in {rollout + ['kvtier.cli.main']!r}: __import__(m)\n"
+            "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", f"importing the rollout imported {out.strip()}"
