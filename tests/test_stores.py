@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -121,6 +122,30 @@ def test_slab_memory_is_committed_at_startup() -> None:
     with HostSlab(64, 65536, pin=False) as slab:
         assert resident_pages(slab.slot(0).data_ptr(), slab.nbytes) == slab.nbytes // mmap.PAGESIZE
         assert int(slab.slot(63).sum()) == 0  # committing wrote nothing a caller could see
+
+
+def huge_page_kib(address: int) -> int:
+    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_slab_is_on_huge_pages_where_the_kernel_gives_them() -> None:
+    """The slab asks for 2 MiB pages (fewer TLB misses per copy). A shared mapping got none on kernels whose
+    shared memory has no huge pages (the usual default) however it was advised: it must be private."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    with HostSlab(32, 1 << 20, pin=False) as slab:
+        huge = huge_page_kib(slab.slot(0).data_ptr())
+        if "[never]" in thp:
+            assert huge == 0
+        else:
+            assert huge >= 2048, f"THP {thp.strip()!r}, but the slab has {huge} KiB on huge pages"
 
 
 def test_slab_larger_than_the_memory_it_may_have_fails_at_once_naming_the_key() -> None:

@@ -67,9 +67,11 @@ class HostSlab:
         self.num_slots = num_slots
         self.payload_nbytes = payload_nbytes
         self.slot_nbytes = round_up(payload_nbytes)
-        # An anonymous mmap is page-aligned, so slot i starts at i * slot_nbytes from an aligned base.
+        # An anonymous mmap is page-aligned, so slot i starts at i * slot_nbytes from an aligned base. Private, not
+        # mmap's default shared mapping: most kernels give shared memory no huge pages (shmem_enabled "never")
+        # however it is advised, and private anonymous memory gets them where THP is "madvise" or "always".
         try:
-            self._mmap: mmap.mmap | None = mmap.mmap(-1, self.nbytes)
+            self._mmap: mmap.mmap | None = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         except OSError as e:
             raise _no_memory(self.nbytes, e) from None
         if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages where the kernel allows: fewer TLB misses per copy
