@@ -11,15 +11,23 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from tests.conftest import DEMOTE_ALL
+from tests.vllm.zygote import Zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 vllm = pytest.importorskip("vllm") if os.environ.get("CI") != "true" else __import__("vllm")
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory) -> Iterator[Zygote]:
+    """Where each scenario's engine process comes from: forked, vLLM already imported (`tests.vllm.zygote`)."""
+    zygote = Zygote(ROOT, tmp_path_factory.mktemp("scenarios"))
+    yield zygote
+    zygote.close()
 
 
 @pytest.fixture(scope="session")
@@ -30,10 +38,11 @@ def tiny_model(tmp_path_factory) -> str:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def run(model: str, config: dict | str, *prompts: str, expect_rc: int = 0, figures: dict | None = None,
-        prometheus: dict | None = None, separate_engine: bool = False, redis=None) -> list[dict] | str:
-    """The outputs of `prompts` in a fresh process; `figures` receives kvtier's worker figures, `prometheus`
-    the engine's kvtier series (both halves, aggregated by vLLM). `redis`: the test's server, which the
+def run(engines: Zygote, model: str, config: dict | str, *prompts: str, expect_rc: int = 0,
+        figures: dict | None = None, prometheus: dict | None = None, separate_engine: bool = False,
+        redis=None) -> list[dict] | str:
+    """The outputs of `prompts` in a fresh engine process (from `engines`); `figures` receives kvtier's worker
+    figures, `prometheus` the engine's kvtier series (both halves, aggregated by vLLM). `redis`: the test's server, which the
     prompts `!redis-kill` and `!redis-start` kill and start again.
     `separate_engine`: vLLM's default mode, the engine core in a process of its own."""
     if isinstance(config, dict) and config.get("secondary_tiers") and "load_policy" not in config:
@@ -42,8 +51,7 @@ def run(model: str, config: dict | str, *prompts: str, expect_rc: int = 0, figur
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if separate_engine else "0"}
     if redis is not None:
         env["KVTIER_TEST_REDIS"] = f"{redis.binary}|{redis.port}|{redis.dir}|{redis.proc.pid}"
-    proc = subprocess.run([sys.executable, "-m", "tests.vllm.scenario", model, cfg, *prompts], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = engines.run("tests.vllm.scenario", [model, cfg, *prompts], env, ROOT)
     if expect_rc:
         assert proc.returncode != 0, proc.stdout[-2000:]
         return proc.stderr
@@ -67,12 +75,12 @@ EVICT = ("A", "B", "C", "D", "A")  # B, C and D push A out of the engine's 48 bl
 
 
 @pytest.fixture(scope="session")
-def engine_only(tiny_model) -> list[dict]:
-    return run(tiny_model, "off", *EVICT, "A")  # the last A is vLLM's own prefix-cache hit
+def engine_only(engines, tiny_model) -> list[dict]:
+    return run(engines, tiny_model, "off", *EVICT, "A")  # the last A is vLLM's own prefix-cache hit
 
 
-def test_host_tier_restores_exactly(tiny_model, engine_only, tmp_path):
-    out = run(tiny_model, {"cpu_bytes_to_use": 256 << 20}, *EVICT)
+def test_host_tier_restores_exactly(engines, tiny_model, engine_only, tmp_path):
+    out = run(engines, tiny_model, {"cpu_bytes_to_use": 256 << 20}, *EVICT)
     restored, engine_hit = out[-1], engine_only[-1]
     assert engine_only[-2]["cached"] == 0  # without kvtier A was really evicted and recomputed
     assert restored["cached"] == 1920  # every block but the last came back from the host tier
@@ -80,24 +88,24 @@ def test_host_tier_restores_exactly(tiny_model, engine_only, tmp_path):
     assert max_diff(restored, engine_hit) == 0.0
 
 
-def test_a_prefix_cache_reset_reaches_every_tier(tiny_model, engine_only, tmp_path):
+def test_a_prefix_cache_reset_reaches_every_tier(engines, tiny_model, engine_only, tmp_path):
     """After vLLM's reset_prefix_cache (a weight update), nothing stored before is served: A is recomputed."""
     disk = {"type": "fs", **DEMOTE_ALL,
             "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20, "write_policy": "write_through"}
-    out = run(tiny_model, {"cpu_bytes_to_use": 256 << 20, "secondary_tiers": [disk]}, *EVICT[:-1], "!reset", "A")
+    out = run(engines, tiny_model, {"cpu_bytes_to_use": 256 << 20, "secondary_tiers": [disk]}, *EVICT[:-1], "!reset",
+              "A")
     assert out[-1]["cached"] == 0
     assert out[-1]["tokens"] == engine_only[0]["tokens"] and out[-1]["logprobs"] == engine_only[0]["logprobs"]
 
 
-def test_aborts_and_preemptions_leak_nothing_and_later_hits_stay_exact(tiny_model, engine_only, tmp_path):
+def test_aborts_and_preemptions_leak_nothing_and_later_hits_stay_exact(engines, tiny_model, engine_only, tmp_path):
     """vLLM preempts (4 requests of 1,900 + 300 tokens against 48 blocks of 128) and two requests are aborted
     while kvtier loads and stores: afterwards no block is held by anyone, and A served from kvtier is vLLM's own
     hit, bit for bit."""
     disk = {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20}
     config = {"cpu_bytes_to_use": 16 << 20, "secondary_tiers": [disk]}  # 32 blocks of host: disk has work too
-    proc = subprocess.run([sys.executable, "-m", "tests.vllm.aborts", tiny_model, json.dumps(config)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    proc = engines.run("tests.vllm.aborts", [tiny_model, json.dumps(config)],
+                       {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = last_json(proc.stdout)
     assert set(data["finished"]) == {"P", "R"} and data["preempted"], "Q and S aborted; vLLM preempted"
@@ -109,31 +117,31 @@ def test_aborts_and_preemptions_leak_nothing_and_later_hits_stay_exact(tiny_mode
     assert data["kvtier_pinned"] == 0 and not data["kvtier_pending"] and data["kvtier_orphans"] == 0
 
 
-def test_host_tier_in_a_separate_engine_process(tiny_model, engine_only):
-    out = run(tiny_model, {"cpu_bytes_to_use": 256 << 20}, *EVICT, separate_engine=True)
+def test_host_tier_in_a_separate_engine_process(engines, tiny_model, engine_only):
+    out = run(engines, tiny_model, {"cpu_bytes_to_use": 256 << 20}, *EVICT, separate_engine=True)
     assert out[-1]["cached"] == 1920
     assert out[-1]["tokens"] == engine_only[-1]["tokens"] and max_diff(out[-1], engine_only[-1]) == 0.0
 
 
-def test_disk_tier_restores_exactly_and_survives_a_restart(tiny_model, engine_only, tmp_path):
+def test_disk_tier_restores_exactly_and_survives_a_restart(engines, tiny_model, engine_only, tmp_path):
     config = {"cpu_bytes_to_use": 4 << 20,  # 8 blocks: A's blocks must come back from disk
               "secondary_tiers": [{"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "kv"), "max_bytes": 1 << 30}]}
-    out = run(tiny_model, config, *EVICT)
+    out = run(engines, tiny_model, config, *EVICT)
     assert out[-1]["cached"] == 1920 and max_diff(out[-1], engine_only[-1]) == 0.0
-    second = run(tiny_model, config, "A")  # a new engine process: the prefix comes from the disk tier
+    second = run(engines, tiny_model, config, "A")  # a new engine process: the prefix comes from the disk tier
     assert second[0]["cached"] == 1920
     assert second[0]["tokens"] == engine_only[-1]["tokens"] and max_diff(second[0], engine_only[-1]) == 0.0
 
 
-def test_the_default_disk_admission_writes_a_prefix_seen_once_only_after_prefixes_come_back(tiny_model, engine_only,
-                                                                                             tmp_path):
+def test_the_default_disk_admission_writes_a_prefix_seen_once_only_after_prefixes_come_back(engines, tiny_model,
+                                                                                            engine_only, tmp_path):
     """`min_sightings: auto`, the default: A, B, C and D seen once leave host and are dropped, not written. A
     comes back (recomputed); now blocks come back, so what host evicts goes down, and A's third request is
     served from disk, exactly."""
     config = {"cpu_bytes_to_use": 4 << 20, "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv"),
                                                                 "max_bytes": 1 << 30}]}
     prometheus: dict = {}
-    out = run(tiny_model, config, *EVICT, "B", "C", "D", "A", prometheus=prometheus)
+    out = run(engines, tiny_model, config, *EVICT, "B", "C", "D", "A", prometheus=prometheus)
     assert out[4]["cached"] == 0  # no tier kept A's first sighting
     assert prometheus['kvtier_admission_rejects_total{reason="sightings",tier="disk"}'] >= 8
     assert prometheus['kvtier_admission_sightings_needed{tier="disk"}'] == 1  # it learned: blocks come back
@@ -141,11 +149,11 @@ def test_the_default_disk_admission_writes_a_prefix_seen_once_only_after_prefixe
     assert out[-1]["tokens"] == engine_only[-1]["tokens"] and max_diff(out[-1], engine_only[-1]) == 0.0
 
 
-def test_corrupt_disk_block_is_recomputed_not_served(tiny_model, engine_only, tmp_path):
+def test_corrupt_disk_block_is_recomputed_not_served(engines, tiny_model, engine_only, tmp_path):
     root = tmp_path / "kv"
     config = {"cpu_bytes_to_use": 4 << 20, "secondary_tiers": [{"type": "fs", **DEMOTE_ALL, "root_dir": str(root),
                                                                 "max_bytes": 1 << 30, "write_policy": "write_through"}]}
-    run(tiny_model, config, "A")
+    run(engines, tiny_model, config, "A")
     files = sorted(root.rglob("*.kv"))
     assert len(files) >= 8  # A alone is 8 blocks of 256 tokens
     for path in files:  # flip one payload byte in every file: nothing of A may be served
@@ -155,15 +163,16 @@ def test_corrupt_disk_block_is_recomputed_not_served(tiny_model, engine_only, tm
             f.seek(4096 + 10)
             f.write(bytes([byte[0] ^ 0xFF]))
     figures: dict = {}
-    out = run(tiny_model, config, "A", figures=figures)
+    out = run(engines, tiny_model, config, "A", figures=figures)
     assert figures["integrity_failures"]["disk"] >= 1  # detected and counted
     assert out[0]["tokens"] == engine_only[0]["tokens"]
     assert max_diff(out[0], engine_only[0]) == 0.0  # recomputed in full, exactly as with kvtier off
 
 
-def test_full_store_queue_drops_stores_counts_them_and_requests_complete(tiny_model, engine_only):
+def test_full_store_queue_drops_stores_counts_them_and_requests_complete(engines, tiny_model, engine_only):
     prometheus: dict = {}
-    out = run(tiny_model, {"cpu_bytes_to_use": 256 << 20, "queue_depth": 1}, "A+B", "C", prometheus=prometheus)
+    out = run(engines, tiny_model, {"cpu_bytes_to_use": 256 << 20, "queue_depth": 1}, "A+B", "C",
+              prometheus=prometheus)
     # A and B finish in the same step: one store fills the queue, the other's 16 blocks (of 128 tokens) are dropped
     assert prometheus['kvtier_stores_dropped_total{reason="queue_full"}'] == 16
     assert prometheus['kvtier_moves_total{dst="host",src="caller"}'] == 16 + 16  # the other store, and C's
@@ -174,26 +183,26 @@ def redis_tier(server, **extra) -> dict:
     return {"type": "redis", "url": server.url, "max_bytes": 1 << 30, **extra}
 
 
-def test_a_second_engine_gets_the_first_engines_prefix_from_redis(tiny_model, engine_only, redis_server):
+def test_a_second_engine_gets_the_first_engines_prefix_from_redis(engines, tiny_model, engine_only, redis_server):
     config = {"cpu_bytes_to_use": 256 << 20, "secondary_tiers": [redis_tier(redis_server)]}
-    run(tiny_model, config, "A")  # engine 1 computes A and writes it through to Redis, then exits
+    run(engines, tiny_model, config, "A")  # engine 1 computes A and writes it through to Redis, then exits
     prometheus: dict = {}
-    out = run(tiny_model, config, "A", prometheus=prometheus)  # engine 2: an empty host tier of its own
+    out = run(engines, tiny_model, config, "A", prometheus=prometheus)  # engine 2: an empty host tier of its own
     assert out[0]["cached"] == 1920  # every block but the last came from Redis
     assert out[0]["tokens"] == engine_only[-1]["tokens"] and max_diff(out[0], engine_only[-1]) == 0.0
     assert prometheus['kvtier_lookup_tokens_total{source="redis"}'] == 1920
     assert prometheus['kvtier_moves_total{dst="caller",src="redis"}'] == 15  # straight into the engine's blocks
 
 
-def test_redis_killed_and_restarted_mid_workload(tiny_model, engine_only, redis_server):
+def test_redis_killed_and_restarted_mid_workload(engines, tiny_model, engine_only, redis_server):
     """No request fails, every output stays exact, the breaker opens while Redis is away and closes after."""
     config = {"cpu_bytes_to_use": 4 << 20,  # 16 blocks: A must come back from Redis, not from host
               "secondary_tiers": [redis_tier(redis_server, breaker_failures=1, breaker_cooldown_s=0.2,
                                              socket_timeout_s=0.5)]}
     prometheus: dict = {}
     # after the restart, the breakers' cooldown passes before the next request: its calls probe Redis
-    out = run(tiny_model, config, "A", "!redis-kill", *EVICT[1:], "!redis-start", "!sleep:0.3", *EVICT[1:], "B",
-              prometheus=prometheus, redis=redis_server)
+    out = run(engines, tiny_model, config, "A", "!redis-kill", *EVICT[1:], "!redis-start", "!sleep:0.3", *EVICT[1:],
+              "B", prometheus=prometheus, redis=redis_server)
     reference = {"A": engine_only[0], "B": engine_only[1], "C": engine_only[2], "D": engine_only[3]}
     for o in out:
         assert o["tokens"] == reference[o["prompt"]]["tokens"], o["prompt"]
@@ -206,10 +215,10 @@ def test_redis_killed_and_restarted_mid_workload(tiny_model, engine_only, redis_
     assert prometheus['kvtier_redis_breaker_state{side="scheduler",tier="redis"}'] == 0
 
 
-def test_bad_config_stops_the_engine_naming_the_field(tiny_model):
-    err = run(tiny_model, {"cpu_bytes_to_use": -1}, "A", expect_rc=1)
+def test_bad_config_stops_the_engine_naming_the_field(engines, tiny_model):
+    err = run(engines, tiny_model, {"cpu_bytes_to_use": -1}, "A", expect_rc=1)
     assert "cpu_bytes_to_use" in err
-    err = run(tiny_model, {"cpu_bytes_to_use": 1 << 20, "block_size": 100}, "A", expect_rc=1)
+    err = run(engines, tiny_model, {"cpu_bytes_to_use": 1 << 20, "block_size": 100}, "A", expect_rc=1)
     assert "block_size" in err
 
 
@@ -255,13 +264,11 @@ def last_json(stdout: str) -> dict:
     return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
 
 
-def slowed(model: str, config: dict, delay: float | str, requests: int | None = None) -> dict:
+def slowed(engines: Zygote, model: str, config: dict, delay: float | str, requests: int | None = None) -> dict:
     """tests/vllm/guard.py's findings: a real engine whose disk reads sleep `delay` (seconds, or "Nx": N times
     the engine's recompute of a prompt on this machine)."""
-    args = [sys.executable, "-m", "tests.vllm.guard", model, json.dumps(config), str(delay)]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run(args + ([str(requests)] if requests else []), cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env=env)
+    args = [model, json.dumps(config), str(delay), *([str(requests)] if requests else [])]
+    proc = engines.run("tests.vllm.guard", args, {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return last_json(proc.stdout)
 
@@ -275,11 +282,11 @@ def exact_by_cached_length(requests: list[dict]) -> None:
         assert r["logprobs"] == first, (r["prompt"], r["cached"], r["phase"])
 
 
-def test_the_guard_turns_a_slow_disk_off_keeps_host_on_and_brings_the_disk_back_through_a_probe(tiny_model,
-                                                                                                 tmp_path):
+def test_the_guard_turns_a_slow_disk_off_keeps_host_on_and_brings_the_disk_back_through_a_probe(engines,
+                                                                                                 tiny_model, tmp_path):
     disk = {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20}
     config = {"cpu_bytes_to_use": 8 << 20, "load_policy": "always", "secondary_tiers": [disk], "guard": GUARD}
-    found = slowed(tiny_model, config, delay=0.6)
+    found = slowed(engines, tiny_model, config, delay=0.6)
     requests, transitions = found["requests"], found["transitions"]
     slow = [r for r in requests if r["phase"] == "slow"]
     assert slow[0]["disk_blocks"] and slow[0]["ttft"] > 1.2, "the delay was injected and the disk served"
@@ -301,10 +308,11 @@ def test_the_guard_turns_a_slow_disk_off_keeps_host_on_and_brings_the_disk_back_
     assert any(r["phase"] == "engine hit" and r["cached"] == 2048 for r in requests)
 
 
-def test_the_decision_recomputes_what_a_slow_disk_would_serve_late(tiny_model, tmp_path):
+def test_the_decision_recomputes_what_a_slow_disk_would_serve_late(engines, tiny_model, tmp_path):
     disk = {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20}
     # each disk read sleeps twice a recompute of the prompt on this machine: any load loses to recomputing
-    found = slowed(tiny_model, {"cpu_bytes_to_use": 8 << 20, "secondary_tiers": [disk]}, delay="2x", requests=16)
+    found = slowed(engines, tiny_model, {"cpu_bytes_to_use": 8 << 20, "secondary_tiers": [disk]}, delay="2x",
+                   requests=16)
     slow = [r for r in found["requests"] if r["phase"] == "slow"]
     from_disk = [r for r in slow if r["disk_blocks"]]
     assert 1 <= len(from_disk) <= 3, "the first loads measure the disk; then its loads lose to recomputing"

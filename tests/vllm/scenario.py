@@ -1,6 +1,6 @@
 """One vLLM engine (CPU, in-process) running a request sequence; prints its outputs as JSON on the last line.
 
-Run as a subprocess by the tests: each engine gets a fresh process, as a served engine would.
+Each engine gets a fresh process, as a served engine would: the tests fork it from `tests.vllm.zygote`.
     python -m tests.vllm.scenario MODEL_DIR CONFIG_JSON|off PROMPTS...
 PROMPTS name seeded 2048-token prompts: A, B, C, D; `A+B` submits A and B together. The engine's KV cache
 holds 48 blocks of 128 tokens, so three other prompts evict a fourth. `!redis-kill` and `!redis-start` kill and
