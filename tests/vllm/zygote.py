@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import runpy
-import select
 import signal
 import subprocess
 import sys
-import time
+import threading
 import traceback
 from pathlib import Path
 from typing import NoReturn
@@ -37,8 +37,12 @@ class Zygote:
 
     def __init__(self, root: Path, scratch: Path) -> None:
         self.scratch = scratch
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm.zygote"], cwd=root, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.log = scratch / "zygote.err"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm.zygote"], cwd=root, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, text=True)
+        self.messages: queue.Queue[dict | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
         self.runs = 0
         self._expect("ready", timeout_s=300)
 
@@ -55,6 +59,7 @@ class Zygote:
             rc = self._expect("rc", timeout_s=timeout_s)
         except TimeoutError:
             os.killpg(pid, signal.SIGKILL)
+            self._expect("rc", timeout_s=60)  # the killed child's: the next run's replies come next
             raise
         return subprocess.CompletedProcess([module, *args], rc, out.read_text(), err.read_text())
 
@@ -62,18 +67,21 @@ class Zygote:
         self.proc.kill()
         self.proc.wait()
 
-    def _expect(self, field: str, timeout_s: float) -> int:
+    def _read(self) -> None:
         assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if not select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                raise TimeoutError(f"the zygote sent no {field!r} in {timeout_s} s")
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the zygote exited (rc {self.proc.poll()}) before sending {field!r}")
-            message = json.loads(line)
-            if field in message:
-                return message[field]
+        for line in self.proc.stdout:
+            self.messages.put(json.loads(line))
+        self.messages.put(None)  # the zygote exited
+
+    def _expect(self, field: str, timeout_s: float) -> int:
+        try:
+            message = self.messages.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"the zygote sent no {field!r} in {timeout_s} s") from None
+        if message is None or field not in message:
+            raise RuntimeError(f"the zygote sent {message} for {field!r}; its log ends: "
+                               f"{self.log.read_text()[-2000:]}")
+        return message[field]
 
 
 def serve() -> None:
