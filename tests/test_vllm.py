@@ -42,8 +42,8 @@ def run(engines: Zygote, model: str, config: dict | str, *prompts: str, expect_r
         figures: dict | None = None, prometheus: dict | None = None, separate_engine: bool = False,
         redis=None) -> list[dict] | str:
     """The outputs of `prompts` in a fresh engine process (from `engines`); `figures` receives kvtier's worker
-    figures, `prometheus` the engine's kvtier series (both halves, aggregated by vLLM). `redis`: the test's server, which the
-    prompts `!redis-kill` and `!redis-start` kill and start again.
+    figures, `prometheus` the engine's kvtier series (both halves, aggregated by vLLM). `redis`: the test's
+    server, which the prompts `!redis-kill` and `!redis-start` kill and start again.
     `separate_engine`: vLLM's default mode, the engine core in a process of its own."""
     if isinstance(config, dict) and config.get("secondary_tiers") and "load_policy" not in config:
         config = {**config, "load_policy": "always"}  # what a load delivers is tested here; whether, on its own
