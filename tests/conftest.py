@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -52,6 +56,42 @@ def random_blocks(n: int, dtype=torch.bfloat16, seed: int = 0) -> list[torch.Ten
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def native_threads_beyond_python() -> int:
+    """Threads of this process that Python did not start (OpenMP's workers among them), once threads that are
+    still exiting (a Python thread leaves `threading.enumerate()` before its native thread ends) are gone."""
+    def count() -> int:
+        return len(os.listdir("/proc/self/task")) - len(threading.enumerate())
+
+    last = count()
+    for _ in range(40):
+        time.sleep(0.05)
+        if (now := count()) == last:
+            return now
+        last = now
+    return last
+
+
+@contextmanager
+def torch_kernel_in_a_thread() -> Iterator[None]:
+    """A thread that ran a torch kernel (so started an OpenMP team of its own), alive until the block ends: what
+    `native_threads_beyond_python` must see for a test of "no team" to mean anything."""
+    started, finish = threading.Event(), threading.Event()
+
+    def kernel_then_wait() -> None:
+        torch.ones(1 << 22).add_(1)
+        started.set()
+        finish.wait(10)
+
+    prober = threading.Thread(target=kernel_then_wait)
+    prober.start()
+    started.wait(10)
+    try:
+        yield
+    finally:
+        finish.set()
+        prober.join()
 
 
 @pytest.fixture

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,8 @@ import torch
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
 from kvtier.keys import chain_keys
-from tests.conftest import DEMOTE_ALL, SHAPE, make_config, random_blocks, same_bytes
+from tests.conftest import (DEMOTE_ALL, SHAPE, make_config, native_threads_beyond_python, random_blocks,
+                            same_bytes, torch_kernel_in_a_thread)
 
 
 def keys_for(n: int, salt: int = 0) -> list[bytes]:
@@ -242,21 +241,6 @@ def test_the_guard_in_process_turns_off_the_tier_whose_requests_break_the_budget
         assert cache.metrics.snapshot()["guard_transitions"] == {"disk/off": 1, "disk/probe": 1, "disk/on": 1}
 
 
-def _native_threads_beyond_python() -> int:
-    """Threads of this process that Python did not start (OpenMP's workers among them), once threads that are
-    still exiting (a Python thread leaves `threading.enumerate()` before its native thread ends) are gone."""
-    def count() -> int:
-        return len(os.listdir("/proc/self/task")) - len(threading.enumerate())
-
-    last = count()
-    for _ in range(40):
-        time.sleep(0.05)
-        if (now := count()) == last:
-            return now
-        last = now
-    return last
-
-
 def test_disk_moves_start_no_openmp_team(tmp_path):
     """A torch kernel in a mover thread would start an OpenMP team there (one more thread per team member),
     which stalls the engine's own team on a machine with few cores: promotions, demotions and the caller
@@ -270,7 +254,7 @@ def test_disk_moves_start_no_openmp_team(tmp_path):
             {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "kv"), "max_bytes": 200 * (block + 4096)}]})
         gen = torch.Generator().manual_seed(7)
         with TieredCache(config, shape, torch.bfloat16, model="test") as cache:
-            before = _native_threads_beyond_python()
+            before = native_threads_beyond_python()
             for round_ in range(4):
                 keys = chain_keys([round_ * 100_000 + i for i in range(16 * 12)], 16)
                 blocks = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(12)]
@@ -281,21 +265,9 @@ def test_disk_moves_start_no_openmp_team(tmp_path):
                 assert len(got) == 6 and all(same_bytes(a, b) for a, b in zip(got, blocks))
             moves = cache.snapshot()["moves"]
             assert moves["host->disk"] >= 30 and moves["disk->host"] >= 12
-            after = _native_threads_beyond_python()
+            after = native_threads_beyond_python()
             assert after <= before  # fewer: another test's thread that was still exiting
-            # the count sees a team that a torch kernel starts in a thread (and the thread, alive, is subtracted)
-            started, finish = threading.Event(), threading.Event()
-
-            def kernel_then_wait() -> None:
-                torch.ones(1 << 22).add_(1)
-                started.set()
-                finish.wait(10)
-
-            prober = threading.Thread(target=kernel_then_wait)
-            prober.start()
-            started.wait(10)
-            assert _native_threads_beyond_python() > after
-            finish.set()
-            prober.join()
+            with torch_kernel_in_a_thread():  # the count sees the team such a thread starts
+                assert native_threads_beyond_python() > after
     finally:
         torch.set_num_threads(threads)

@@ -2,7 +2,7 @@
 
 `mover` holds the pools, the store queue and the entry points; `handlers` one handler per (source medium,
 destination medium); `shared` the batched traffic of a shared tier; `copy` the bit-exact byte copies between
-the caller's tensors and host slots.
+the caller's tensors and host slots; `pages` an engine's KV pages, whose batches move as plain memory copies.
 """
 
 from kvtier.mover.copy import CallerBlock

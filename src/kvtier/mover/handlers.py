@@ -19,6 +19,7 @@ import torch
 
 from kvtier.directory import CALLER, Op, Status, Step
 from kvtier.mover.copy import CallerBlock, copy_all, copy_from_slot, copy_into_slot, device_stream, regions
+from kvtier.mover.pages import PagedBlocks
 from kvtier.stores.base import ObjectStore, ReadStatus, SlotStore, Stores
 
 Result = tuple[Status, int]  # the step's status and the payload bytes it moved
@@ -53,7 +54,11 @@ class CallerToSlot:
         return Status.OK, self.slab.payload_nbytes
 
     def run_many(self, steps: Sequence[Step], io: CallerIO) -> None:
-        """Every part of every block in one copy call (on a device: on our stream, complete on return)."""
+        """Every part of every block in one copy call (on a device: on our stream, complete on return); an
+        engine's pages on the CPU in one compiled loop (`kvtier.mover.pages`)."""
+        if isinstance(io.blocks, PagedBlocks) and io.blocks.move(
+                self.slab, [(step.index, slot_of(step.dst_slot)) for step in steps], to_slab=True):
+            return
         pairs = []
         for step in steps:
             pairs += [(region, part) for part, region in regions(io.blocks[step.index],
@@ -74,6 +79,9 @@ class SlotToCaller:
         return Status.OK, self.slab.payload_nbytes
 
     def run_many(self, steps: Sequence[Step], io: CallerIO) -> None:
+        if isinstance(io.out, PagedBlocks) and io.out.move(
+                self.slab, [(step.index, slot_of(step.src_slot)) for step in steps], to_slab=False):
+            return
         pairs = []
         for step in steps:
             pairs += list(regions(io.out[step.index], self.slab.slot(slot_of(step.src_slot))))

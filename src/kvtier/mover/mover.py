@@ -3,7 +3,7 @@
 - Steps of one chain run in order; chains run in parallel (reads on `n_read_threads`, writes on
   `n_write_threads`). Each step runs through the handler of its (src, dst) pair (`kvtier.mover.handlers`).
 - Plain caller<->host copies (a chain of one PUT or one GET) are batched: every part of every block in one
-  `torch._foreach_copy_`, so a host hit costs about what a plain `copy_` of the same bytes costs.
+  `torch._foreach_copy_`, or, for an engine's pages on the CPU, one loop of memory copies (`pages`).
 - Stores never wait for I/O in the caller (CPU blocks are copied into host in its thread, a memory copy;
   everything else runs in the background): at most `queue_depth` store plans wait; beyond that
   `reserve_store` says no and the caller counts a dropped store. Loads are waited for: the request needs

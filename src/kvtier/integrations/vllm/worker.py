@@ -20,12 +20,13 @@ import torch
 
 from kvtier.config import KVTierConfig
 from kvtier.directory import Op, Plan, Status, Step
-from kvtier.integrations.vllm.messages import EngineBlocks, KVTierMetadata, KVTierWorkerMetadata, LoadJob, StoreJob
+from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata, LoadJob, StoreJob
 from kvtier.integrations.vllm.setup import Geometry
 from kvtier.integrations.vllm.stats import Deltas, add_breaker, label
 from kvtier.metrics import Metrics
-from kvtier.mover import CallerBlock, Mover
+from kvtier.mover import Mover
 from kvtier.mover.copy import ready_event
+from kvtier.mover.pages import Pages
 from kvtier.stores.base import Stores
 from kvtier.wiring import build_mover, build_stores
 
@@ -64,7 +65,7 @@ class WorkerSide:
         self.config = config
         self.geo = geo
         self.rank = rank
-        self.pages: list[torch.Tensor] = []
+        self.pages: Pages | None = None
         self.mover: Mover | None = None
         self.stores: Stores | None = None
         self.metrics = Metrics(None, geo.block_tokens, keep_observed=True)
@@ -85,8 +86,8 @@ class WorkerSide:
                                            initializer=lambda: os.sched_setaffinity(0, self._cpus))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        self.pages = engine_pages(kv_caches, num_blocks)
-        found = sum(p.shape[1] for p in self.pages)
+        self.pages = Pages(engine_pages(kv_caches, num_blocks))
+        found = self.pages.engine_block_nbytes
         if found != self.geo.engine_block_nbytes:
             raise ValueError(f"kvtier: engine block is {found} B in the KV tensors, {self.geo.engine_block_nbytes} B"
                              " by the KV-cache config")
@@ -116,14 +117,15 @@ class WorkerSide:
             self.metrics.count("stores_dropped", "queue_full", len(puts))
             self._report(steps, Status.FAILED)
             return
-        blocks = [self._parts(src) for src in job.sources]
-        self.mover.store(Plan(chains=job.chains), blocks, ready=ready_event(self.pages))
+        assert self.pages is not None
+        self.mover.store(Plan(chains=job.chains), self.pages.blocks(job.sources), ready=ready_event(self.pages.tensors))
 
     def _load(self, job: LoadJob) -> None:
         """A synchronous load (host hits) runs here, in the engine's thread, before the forward that needs it. An
         asynchronous one (a slower tier) runs in the background: vLLM goes on stepping the other requests and
         waits for this one to be reported in `get_finished`, so a slow disk stalls only the request it serves."""
-        ready = ready_event(self.pages)  # here, in the engine's thread: after what its stream queued on these blocks
+        assert self.pages is not None
+        ready = ready_event(self.pages.tensors)  # here, in the engine's thread: after what its stream queued on them
         if job.sync:
             self._run_load(job, ready)
         else:
@@ -135,7 +137,8 @@ class WorkerSide:
         assert self.mover is not None
         started = time.perf_counter()
         try:
-            out = [self._parts(t) for t in job.targets]
+            assert self.pages is not None
+            out = self.pages.blocks(job.targets)
             delivered = self.mover.load(Plan(chains=job.chains), out, ready) if job.chains else []
         except Exception:  # nothing may stay unreported: vLLM would wait for this request forever
             log.exception("kvtier: a load for request %s failed", job.request_id)
@@ -151,13 +154,6 @@ class WorkerSide:
                 self._recving.add(job.request_id)
                 self._loads_running -= 1
                 self._sent.notify_all()
-
-    def _parts(self, engine_blocks: EngineBlocks) -> CallerBlock:
-        parts: list[torch.Tensor | int] = []
-        for block_id in engine_blocks:
-            for page in self.pages:
-                parts.append(page.shape[1] if block_id is None else page[block_id])
-        return parts
 
     def _report(self, steps: list[Step] | tuple[Step, ...], status: Status) -> None:
         with self._lock:
