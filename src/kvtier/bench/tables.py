@@ -26,6 +26,11 @@ def print_tiers(console: Console, result: dict) -> None:
             case["ratio"], "", None)
     t = result["targets"]
     row("host_vs_copy (min)", "", "copy_", t["host_vs_copy"]["value"], "≥ 0.9", t["host_vs_copy"]["met"])
+    for case in result["engine_pages"]:
+        row(f"pages, {case['geometry']}", f"{case['ours_gbps']:.2f} GB/s", f"{case['baseline_gbps']:.2f} GB/s",
+            case["ratio"], "", None)
+        row(f"  as {case['parts_per_block']} parts", f"{case['parts']['ours_gbps']:.2f} GB/s",
+            f"{case['parts']['baseline_gbps']:.2f} GB/s", case["parts"]["ratio"], "", None)
     for side in ("write", "read"):
         case, name = result["disk"][side], f"disk_{side}_vs_raw"
         row(name, f"{case['ours_gbps']:.2f} GB/s", f"{case['baseline_gbps']:.2f} GB/s", case["ratio"],

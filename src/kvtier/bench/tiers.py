@@ -6,6 +6,9 @@
 - disk_*_vs_raw     the disk tier, driven through a Mover wired as TieredCache wires it (host slab, DiskStore,
                     the fs tier's configured thread counts), against one file written and read sequentially
                     with O_DIRECT in large chunks (fsync after the write) on the same file system.
+- engine_pages_vs_copy  the connector's copies between an engine's KV pages and host slots (store, then load,
+                    through the mover's batch handlers) against a plain `copy_` of the same bytes into a
+                    preallocated buffer and back; the tiny model's pages and Llama-3.1-8B's (`kvtier.bench.pages`).
 - lookup_keys_per_s Directory.lookup of a fully cached 128k-token prompt (16- and 256-token blocks) in a
                     warm directory of 1M blocks; a Python loop of dict.get over the same keys is the baseline.
 
@@ -34,6 +37,7 @@ from kvtier.bench import redis_tier, simulator
 from kvtier.bench.disk import disk_case
 from kvtier.bench.host import host_case
 from kvtier.bench.lookup import lookup_case
+from kvtier.bench.pages import GEOMETRIES, pages_case
 from kvtier.bench.tables import print_redis, print_simulator, print_tiers, size_name
 from kvtier.bench.timing import cpu_busy, machine, others_load
 
@@ -47,13 +51,14 @@ class Sizes:
     host_blocks: tuple[int, ...]
     disk_total: int
     disk_block: int
+    page_blocks: tuple[int, ...]  # kvtier blocks per batch, for each of `kvtier.bench.pages.GEOMETRIES`
     directory_blocks: int
     prompt_tokens: int
     repetitions: int
 
 
-FULL = Sizes(256 * MiB, (256 * KiB, MiB, 4 * MiB), 512 * MiB, MiB, 1 << 20, 128 * 1024, 9)
-QUICK = Sizes(16 * MiB, (256 * KiB, MiB, 4 * MiB), 16 * MiB, MiB, 16 * 1024, 128 * 1024, 5)
+FULL = Sizes(256 * MiB, (256 * KiB, MiB, 4 * MiB), 512 * MiB, MiB, (32, 16), 1 << 20, 128 * 1024, 9)
+QUICK = Sizes(16 * MiB, (256 * KiB, MiB, 4 * MiB), 16 * MiB, MiB, (8, 1), 16 * 1024, 128 * 1024, 5)
 
 
 def run(json_path: str | None, quick: bool = False, root: str | None = None) -> dict:
@@ -70,6 +75,7 @@ def run(json_path: str | None, quick: bool = False, root: str | None = None) -> 
         with Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console) as progress:
             tasks = {f"host {size_name(b)}": 2 * (reps + 1) for b in sizes.host_blocks}
+            tasks |= {f"pages, {name}": 2 * (reps + 1) for name in GEOMETRIES}
             tasks |= {"disk write+read": reps + 1, "directory build": 1, "lookup": 2 * (reps + 1)}
             ids = {name: progress.add_task(name, total=total) for name, total in tasks.items()}
 
@@ -83,6 +89,11 @@ def run(json_path: str | None, quick: bool = False, root: str | None = None) -> 
             result["host_vs_copy_overall"] = "minimum over block sizes"
             result["host_vs_copy_median"] = statistics.median(case["ratio"] for case in by_size.values())
             result["host_vs_copy_by_size"] = by_size
+            paged = [pages_case(name, blocks, reps, tick(f"pages, {name}"))
+                     for name, blocks in zip(GEOMETRIES, sizes.page_blocks)]
+            result["engine_pages_vs_copy"] = min(case["ratio"] for case in paged)
+            result["engine_pages_vs_copy_overall"] = "minimum over geometries"
+            result["engine_pages"] = paged
             disk = disk_case(workdir, sizes.disk_block, sizes.disk_total, reps, tick("disk write+read"))
             result["disk_write_vs_raw"] = disk["write"]["ratio"]
             result["disk_read_vs_raw"] = disk["read"]["ratio"]
