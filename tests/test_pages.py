@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtier.directory import CALLER, Op, Step
-from kvtier.mover.copy import copy_into_slot
+from kvtier.mover.copy import copy_into_slot, on_cpu, ready_event
 from kvtier.mover.handlers import CallerIO, CallerToSlot, SlotToCaller
 from kvtier.mover.pages import Pages
 from kvtier.stores.host import HostSlab
@@ -60,6 +60,12 @@ def test_a_batch_lands_where_the_parts_would_and_comes_back_bit_exact(page_sizes
                 assert torch.equal(new[row], old[row]), row
             else:  # the left-out engine block and every block not in the batch: untouched
                 assert bool((new[row] == 7).all()), row
+
+
+def test_paged_blocks_say_where_they_live_without_making_parts():
+    pages = engine([4096] * 2, 8)
+    assert on_cpu(pages.blocks([])) and on_cpu(pages.blocks([[None, 3]]))  # the mover's store takes its CPU path
+    assert ready_event(pages.blocks([[1]])) is None
 
 
 def test_pages_off_the_cpu_are_left_to_the_parts():

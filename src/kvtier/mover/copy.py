@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.mover.pages import PagedBlocks
+
 CallerBlock = torch.Tensor | Sequence[torch.Tensor | int]
 _local = threading.local()  # each mover thread's copy streams
 _GRAIN = 32768  # at::internal::GRAIN_SIZE: torch copies in parallel only above this many elements
@@ -129,6 +131,8 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _first_tensor(blocks: Sequence[CallerBlock] | None) -> torch.Tensor | None:
+    if isinstance(blocks, PagedBlocks):  # where its blocks live, without making the first one's parts
+        return blocks.pages.tensors[0]
     first = blocks[0] if blocks else None
     if first is not None and not isinstance(first, torch.Tensor):
         first = next((p for p in first if isinstance(p, torch.Tensor)), None)

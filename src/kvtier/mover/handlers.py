@@ -55,7 +55,7 @@ class CallerToSlot:
 
     def run_many(self, steps: Sequence[Step], io: CallerIO) -> None:
         """Every part of every block in one copy call (on a device: on our stream, complete on return); an
-        engine's pages on the CPU in one compiled loop (`kvtier.mover.pages`)."""
+        engine's pages on the CPU as plain memory copies (`kvtier.mover.pages`)."""
         if isinstance(io.blocks, PagedBlocks) and io.blocks.move(
                 self.slab, [(step.index, slot_of(step.dst_slot)) for step in steps], to_slab=True):
             return
