@@ -2,9 +2,11 @@
 
 For 256 KiB, 1 MiB and 4 MiB blocks: the tier's `put_many` / `get_many` (header, checksums, accounting
 script, copy into the caller's buffer) against a raw redis-py pipeline of SET / GET of the same payloads.
-Runs alternate (raw, tier, raw, tier, ...) so that drift on a shared machine hits both alike; we report the
-median of the paired runs' ratios (target >= 0.9), with each side's median throughput beside it. Starts its
-own redis-server on a free port (`kvtier.bench.redis_server`, the starter the tests use too).
+Sides alternate (raw then tier, tier then raw, ...) so that drift on a shared machine hits both alike; we report
+the median of the paired runs' ratios (target >= 0.9), with each side's median throughput beside it. The server
+is emptied before each side's puts, so that both store into the same state: storing makes the server fault in
+and zero new pages, about half of its CPU time (benchmarks/README.md). Starts its own redis-server on a free
+port (`kvtier.bench.redis_server`, the starter the tests use too).
 
 With hiredis (a dependency of kvtier), redis-py packs each SET into one buffer, copying the value, while the
 tier sends payloads straight from the caller's buffer (what that does to the put ratio: benchmarks/README.md).
@@ -67,12 +69,13 @@ def _one_size(url: str, nbytes: int, n_blocks: int, batch: int, runs: int) -> di
 
     times: dict[str, list[float]] = {"raw_put": [], "tier_put": [], "raw_get": [], "tier_get": []}
     try:
-        for _ in range(runs):
-            client.flushdb()
-            times["raw_put"].append(timed(raw_put)[0])
-            times["tier_put"].append(timed(tier_put)[0])
-            times["raw_get"].append(timed(raw_get)[0])
-            times["tier_get"].append(timed(tier_get)[0])
+        sides = {"raw": (raw_put, raw_get), "tier": (tier_put, tier_get)}
+        for run in range(runs):
+            for side in ("raw", "tier") if run % 2 == 0 else ("tier", "raw"):
+                client.flushdb()  # each side's puts reuse the memory the other side's just freed (module doc)
+                put, get = sides[side]
+                times[f"{side}_put"].append(timed(put)[0])
+                times[f"{side}_get"].append(timed(get)[0])
         if not all(torch.equal(a, b) for a, b in zip(into, payloads)):
             raise RuntimeError("tier get returned other bytes")
     finally:
