@@ -2,11 +2,11 @@
 
 For 256 KiB, 1 MiB and 4 MiB blocks: the tier's `put_many` / `get_many` (header, checksums, accounting
 script, copy into the caller's buffer) against a raw redis-py pipeline of SET / GET of the same payloads.
-Sides alternate (raw then tier, tier then raw, ...) so that drift on a shared machine hits both alike; we report
-the median of the paired runs' ratios (target >= 0.9), with each side's median throughput beside it. The server
-is emptied before each side's puts, so that both store into the same state: storing makes the server fault in
-and zero new pages, about half of its CPU time (benchmarks/README.md). Starts its own redis-server on a free
-port (`kvtier.bench.redis_server`, the starter the tests use too).
+Sides alternate (`kvtier.bench.timing.alternate`: a warm-up round, then ABBA) so that drift on a shared machine
+hits both alike; we report the median of the paired runs' ratios (target >= 0.9), with each side's median
+throughput beside it. The server is emptied before each side's puts, so that both store into the same state:
+storing makes the server fault in and zero new pages, about half of its CPU time (benchmarks/README.md). Starts
+its own redis-server on a free port (`kvtier.bench.redis_server`, the starter the tests use too).
 
 With hiredis (a dependency of kvtier), redis-py packs each SET into one buffer, copying the value, while the
 tier sends payloads straight from the caller's buffer (what that does to the put ratio: benchmarks/README.md).
@@ -15,13 +15,14 @@ tier sends payloads straight from the caller's buffer (what that does to the put
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 import redis
 import torch
 from redis.utils import HIREDIS_AVAILABLE
 
 from kvtier.bench.redis_server import throwaway_redis
-from kvtier.bench.timing import timed
+from kvtier.bench.timing import alternate, timed
 from kvtier.stores.base import ReadStatus
 from kvtier.stores.redis import PutStatus, RedisStore
 
@@ -67,15 +68,16 @@ def _one_size(url: str, nbytes: int, n_blocks: int, batch: int, runs: int) -> di
             if any(s is not ReadStatus.OK for s in store.get_many([keys[i] for i in b], [into[i] for i in b])):
                 raise RuntimeError("tier get missed")
 
-    times: dict[str, list[float]] = {"raw_put": [], "tier_put": [], "raw_get": [], "tier_get": []}
+    def side(put: Callable[[], None], get: Callable[[], None]) -> Callable[[], tuple[float, float]]:
+        def one_round() -> tuple[float, float]:
+            client.flushdb()  # both sides store into an empty server (module doc)
+            return timed(put)[0], timed(get)[0]
+        return one_round
+
     try:
-        sides = {"raw": (raw_put, raw_get), "tier": (tier_put, tier_get)}
-        for run in range(runs):
-            for side in ("raw", "tier") if run % 2 == 0 else ("tier", "raw"):
-                client.flushdb()  # each side's puts reuse the memory the other side's just freed (module doc)
-                put, get = sides[side]
-                times[f"{side}_put"].append(timed(put)[0])
-                times[f"{side}_get"].append(timed(get)[0])
+        pairs = alternate(side(tier_put, tier_get), side(raw_put, raw_get), runs, lambda: None)
+        times = {f"{name}_{op}": [t[i] for t in pairs[key]] for name, key in (("tier", "ours_s"), ("raw", "baseline_s"))
+                 for i, op in enumerate(("put", "get"))}
         if not all(torch.equal(a, b) for a, b in zip(into, payloads)):
             raise RuntimeError("tier get returned other bytes")
     finally:
@@ -86,7 +88,7 @@ def _one_size(url: str, nbytes: int, n_blocks: int, batch: int, runs: int) -> di
     gbps = {name: total / statistics.median(t) / 1e9 for name, t in times.items()}
     paired = {op: [raw / tier for raw, tier in zip(times[f"raw_{op}"], times[f"tier_{op}"])] for op in ("put", "get")}
     return {
-        "block_bytes": nbytes, "blocks": n_blocks, "batch": batch, "runs": runs,
+        "block_bytes": nbytes, "blocks": n_blocks, "batch": batch, "runs": len(times["raw_put"]),
         "raw_put_GBps": round(gbps["raw_put"], 3), "tier_put_GBps": round(gbps["tier_put"], 3),
         "raw_get_GBps": round(gbps["raw_get"], 3), "tier_get_GBps": round(gbps["tier_get"], 3),
         "put_ratio": round(statistics.median(paired["put"]), 3),
