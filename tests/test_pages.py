@@ -1,4 +1,5 @@
-"""An engine's KV pages <-> host slots: the compiled batch copy against the per-part copies it replaces."""
+"""An engine's KV pages <-> host slots: the compiled batch copy against the per-part copies it replaces; and a
+caller's whole tensors <-> host slots, the batch copy TieredCache uses."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from kvtier.directory import CALLER, Op, Step
-from kvtier.mover.copy import copy_into_slot, on_cpu, ready_event
+from kvtier.mover.copy import copy_blocks, copy_into_slot, on_cpu, ready_event
 from kvtier.mover.handlers import CallerIO, CallerToSlot, SlotToCaller
 from kvtier.mover.pages import Pages
 from kvtier.stores.host import HostSlab
@@ -106,3 +107,53 @@ def test_a_batch_in_a_thread_starts_no_openmp_team():
             assert native_threads_beyond_python() > after
     finally:
         torch.set_num_threads(threads)
+
+
+# -- whole tensors <-> slots (TieredCache's blocks) -------------------------------------------------------
+
+
+def test_whole_tensors_and_parts_in_one_batch_land_where_single_copies_put_them_and_come_back_bit_exact():
+    """Whole contiguous tensors are paired with their slots shaped like them (`slots_as`, no view per block), of
+    two kinds in one batch; a block of parts (bytes the caller keeps included) goes part by part. Every slot
+    matches the per-block copies, and every block comes back bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    payload = 2 * 4 * 64 * 2  # a (2, 4, 64) bf16 block; slots padded to 4096 bytes
+    bf16 = [torch.randint(-999, 999, (2, 4, 64), generator=gen).to(torch.bfloat16) for _ in range(3)]
+    f32 = [torch.randn(4, 64, generator=gen) for _ in range(2)]  # another kind: the shaped slots are remade
+    parts = [torch.randint(0, 256, (512,), dtype=torch.uint8, generator=gen), 256, f32[0][0].clone()]
+    blocks = [bf16[0], f32[0], bf16[1], parts, f32[1], bf16[2]]
+    slots = [5, 0, 7, 2, 3, 1]
+    slab, expected = HostSlab(8, payload), HostSlab(8, payload)
+    copy_blocks(slab, blocks, list(enumerate(slots)), to_slab=True)
+    for block, slot in zip(blocks, slots):
+        copy_into_slot(expected.slot(slot), block)
+        assert torch.equal(slab.slot(slot), expected.slot(slot)), slot
+    assert slab.slots_as(torch.bfloat16, (2, 4, 64))[7].equal(bf16[1])
+
+    out = [torch.full_like(b, 7) if isinstance(b, torch.Tensor) else b for b in blocks]
+    out[3] = [torch.zeros(512, dtype=torch.uint8), 256, torch.zeros(64)]
+    copy_blocks(slab, out, list(enumerate(slots)), to_slab=False)
+    for i in (0, 1, 2, 4, 5):
+        assert same_bits(out[i], blocks[i]), i
+    assert same_bits(out[3][0], parts[0]) and same_bits(out[3][2], parts[2])
+
+
+def test_a_bad_whole_tensor_is_refused_before_anything_is_copied():
+    blocks = [torch.ones(1024, dtype=torch.int32) for _ in range(2)]
+    slab = HostSlab(3, 4096)
+    with pytest.raises(ValueError, match="out of range"):
+        copy_blocks(slab, blocks, [(0, 1), (1, 3)], to_slab=True)
+    with pytest.raises(ValueError, match="out of range"):
+        copy_blocks(slab, blocks, [(0, -1)], to_slab=True)
+    with pytest.raises(ValueError, match="not contiguous"):  # a strided block is never copied as if it were not
+        copy_blocks(slab, [blocks[0], torch.ones(2048, dtype=torch.int32)[::2]], [(0, 0), (1, 1)], to_slab=True)
+    assert not any(slab.slot(i).any() for i in range(slab.num_slots)), "nothing was written"
+    with pytest.raises(ValueError, match="4096 bytes"):
+        slab.slots_as(torch.int32, (1023,))
+    slab.close()
+    with pytest.raises(ValueError, match="closed"):
+        slab.slots_as(torch.int32, (1024,))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))

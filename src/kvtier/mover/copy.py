@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvtier.mover.pages import PagedBlocks
+from kvtier.stores.base import SlotStore
 
 CallerBlock = torch.Tensor | Sequence[torch.Tensor | int]
 _local = threading.local()  # each mover thread's copy streams
@@ -39,11 +40,38 @@ def copy_from_slot(block: CallerBlock, slot: torch.Tensor, non_blocking: bool = 
         _copy_bytes(part, region, non_blocking)
 
 
-def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool = False) -> None:
-    """Many (destination, source) copies in one call: no Python per part."""
-    words = [_words(d, s) for d, s in pairs]
-    if words:
-        torch._foreach_copy_([d for d, _ in words], [s for _, s in words], non_blocking=non_blocking)
+def copy_blocks(slab: SlotStore, blocks: Sequence[CallerBlock], moves: Sequence[tuple[int, int]], to_slab: bool,
+                non_blocking: bool = False) -> None:
+    """For each (index, slot) of `moves`, `blocks[index]` into that slot (`to_slab`) or out of it, in one copy call.
+
+    A tensor (contiguous, a slot's bytes) is paired with its slot as `slab.slots_as` shapes it, so that the copy
+    needs no view per block; a block of parts is paired part by part with the slot's bytes (`regions`). Every
+    pair is checked before anything is copied."""
+    slot_side: list[torch.Tensor] = []
+    caller_side: list[torch.Tensor] = []
+    kind, typed, count = None, None, 0  # the kind of tensor block last seen, and the slots shaped like it
+    for index, slot in moves:
+        block = blocks[index]
+        if isinstance(block, torch.Tensor):
+            if block.nbytes != slab.payload_nbytes or not block.is_contiguous():
+                raise ValueError(f"block {index}: {block.nbytes} bytes for a slot's {slab.payload_nbytes}, "
+                                 f"or not contiguous")
+            if (block.dtype, block.shape) != kind:
+                kind = (block.dtype, block.shape)
+                typed = slab.slots_as(*kind)
+                count = typed.shape[0]
+            if not 0 <= slot < count:
+                raise ValueError(f"slot {slot} out of range [0, {count})")
+            slot_side.append(typed[slot])
+            caller_side.append(block)
+            continue
+        for part, region in regions(block, slab.slot(slot)):
+            region, part = _words(region, part)
+            slot_side.append(region)
+            caller_side.append(part)
+    if slot_side:
+        dst, src = (slot_side, caller_side) if to_slab else (caller_side, slot_side)
+        torch._foreach_copy_(dst, src, non_blocking=non_blocking)
 
 
 def regions(block: CallerBlock, slot: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

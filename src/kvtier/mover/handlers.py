@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from kvtier.directory import CALLER, Op, Status, Step
-from kvtier.mover.copy import CallerBlock, copy_all, copy_from_slot, copy_into_slot, device_stream, regions
+from kvtier.mover.copy import CallerBlock, copy_blocks, copy_from_slot, copy_into_slot, device_stream
 from kvtier.mover.pages import PagedBlocks
 from kvtier.stores.base import ObjectStore, ReadStatus, SlotStore, Stores
 
@@ -59,12 +59,9 @@ class CallerToSlot:
         if isinstance(io.blocks, PagedBlocks) and io.blocks.move(
                 self.slab, [(step.index, slot_of(step.dst_slot)) for step in steps], to_slab=True):
             return
-        pairs = []
-        for step in steps:
-            pairs += [(region, part) for part, region in regions(io.blocks[step.index],
-                                                                 self.slab.slot(slot_of(step.dst_slot)))]
         with device_stream(io.blocks, io.ready):
-            copy_all(pairs, non_blocking=True)
+            copy_blocks(self.slab, io.blocks, [(step.index, slot_of(step.dst_slot)) for step in steps], to_slab=True,
+                        non_blocking=True)
 
 
 class SlotToCaller:
@@ -82,11 +79,9 @@ class SlotToCaller:
         if isinstance(io.out, PagedBlocks) and io.out.move(
                 self.slab, [(step.index, slot_of(step.src_slot)) for step in steps], to_slab=False):
             return
-        pairs = []
-        for step in steps:
-            pairs += list(regions(io.out[step.index], self.slab.slot(slot_of(step.src_slot))))
         with device_stream(io.out, io.ready):
-            copy_all(pairs, non_blocking=True)
+            copy_blocks(self.slab, io.out, [(step.index, slot_of(step.src_slot)) for step in steps], to_slab=False,
+                        non_blocking=True)
 
 
 class SlotToObject:

@@ -78,6 +78,7 @@ class HostSlab:
             self._mmap.madvise(mmap.MADV_HUGEPAGE)
         self._buf = torch.frombuffer(self._mmap, dtype=torch.uint8).view(num_slots, self.slot_nbytes)
         self._rows = self._buf[:, :payload_nbytes]  # strided when slots carry padding
+        self._typed: tuple[tuple[torch.dtype, torch.Size], torch.Tensor] | None = None  # see `slots_as`
         self.pinned = False
         self._closed = False
         self._pin(torch.cuda.is_available() if pin is None else pin, explicit=pin is not None)
@@ -135,6 +136,7 @@ class HostSlab:
         # Never mmap.close(): torch.frombuffer does not lock the export, so closing under a live slot view
         # would leave it dangling (a segfault). The tensors keep the mmap alive; it unmaps with the last one.
         self._mmap = None
+        self._typed = None
         del self._buf, self._rows
 
     def __enter__(self) -> HostSlab:
@@ -170,6 +172,19 @@ class HostSlab:
         self._check_open()
         self._check_slots((i,))
         return self._rows[i]
+
+    def slots_as(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        """Every slot's payload bytes as one tensor `(num_slots, *shape)` of `dtype` (no copy), so that `[i]` is
+        slot i already shaped like a caller's block: a batch copy then makes no views of its own per block,
+        which cost more than copying a small block (benchmarks/README.md). The last kind asked for is kept."""
+        self._check_open()
+        kind = (dtype, torch.Size(shape))
+        typed = self._typed
+        if typed is None or typed[0] != kind:
+            if kind[1].numel() * dtype.itemsize != self.payload_nbytes:
+                raise ValueError(f"{tuple(shape)} {dtype} is not a slot's {self.payload_nbytes} bytes")
+            typed = self._typed = kind, self._buf.view(dtype)[:, : kind[1].numel()].view(self.num_slots, *kind[1])
+        return typed[1]
 
     def view(self, i: int) -> memoryview:
         """Slot i's payload bytes as a memoryview (no copy): what the disk and shared stores read and write, with
