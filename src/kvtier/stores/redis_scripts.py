@@ -56,16 +56,19 @@ end
 _COMMIT_SOURCE = _COMMON + """
 local max = tonumber(ARGV[2])
 local out, evicted = {}, 0
+local last = nil  -- the block the previous iteration stored: present, and already the newest leaf
 for i = 3, #ARGV, 3 do
   local tmp, id, parent = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   local size = redis.call('STRLEN', tmp)
   local status = 'stored'
+  local chained = parent ~= '' and parent == last
+  last = nil
   if size == 0 then status = 'failed'
   elseif redis.call('HEXISTS', META, id) == 1 then touch(id); status = 'exists'
-  elseif parent ~= '' and redis.call('HEXISTS', META, parent) == 0 then status = 'orphan'
+  elseif parent ~= '' and not chained and redis.call('HEXISTS', META, parent) == 0 then status = 'orphan'
   elseif size > max then status = 'too_big'
   else
-    if parent ~= '' then touch(parent) end  -- the newest leaf now: evicted last, and then we stop
+    if parent ~= '' and not chained then touch(parent) end  -- the newest leaf now: evicted last, then we stop
     while used + size > max do
       local lru = redis.call('ZRANGE', LEAVES, 0, 0)[1]
       if lru == nil or lru == parent then status = 'no_room'; break end
@@ -84,6 +87,7 @@ for i = 3, #ARGV, 3 do
       redis.call('ZREM', LEAVES, parent)
     end
     used = used + size
+    last = id
   else
     redis.call('DEL', tmp)
   end
