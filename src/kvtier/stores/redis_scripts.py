@@ -99,9 +99,23 @@ return out
 """
 
 # allow-oom: a Redis that is full (maxmemory) must still let us free it, and touching is harmless.
+# TOUCH is `touch` on each of ARGV[2..] that the tier holds, in order (the same ticks), in four calls per chunk
+# of blocks instead of four per block; chunks, because Lua's unpack takes a bounded number of values.
 _TOUCH_SOURCE = "#!lua flags=allow-oom\n" + _COMMON + """
-for i = 2, #ARGV do
-  if redis.call('HEXISTS', META, ARGV[i]) == 1 then touch(ARGV[i]) end
+for first = 2, #ARGV, 1024 do
+  local ids, live = {}, {}
+  for i = first, math.min(first + 1023, #ARGV) do ids[#ids + 1] = ARGV[i] end
+  local held = redis.call('HMGET', META, unpack(ids))
+  for i, id in ipairs(ids) do if held[i] then live[#live + 1] = id end end
+  if #live > 0 then
+    local t, ticks, leaves = redis.call('INCRBY', CLOCK, #live) - #live, {}, {}
+    for i, id in ipairs(live) do
+      ticks[2 * i - 1], ticks[2 * i] = id, t + i
+      leaves[2 * i - 1], leaves[2 * i] = t + i, id
+    end
+    redis.call('HSET', TICK, unpack(ticks))
+    redis.call('ZADD', LEAVES, 'XX', unpack(leaves))
+  end
 end
 return 0
 """
