@@ -45,7 +45,7 @@ import re
 import secrets
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -169,23 +169,28 @@ class RedisStore:
         if not items:
             return []
         token = secrets.token_hex(8).encode()
-        chunks: list[bytes | memoryview] = []
-        small = _command(b"MULTI")  # RESP between two payloads goes out as one chunk: one send per gap
+        views = [byte_view(payload, self.payload_nbytes, "payload") for _, _, payload in items]
+        tmps = [self._prefix + b"!tmp:" + token + b":%d" % i for i in range(len(items))]
         commit_args = [b"EVAL", COMMIT, b"0", self._prefix, b"%d" % self.max_bytes]
-        for i, (key, parent, payload) in enumerate(items):
-            view = byte_view(payload, self.payload_nbytes, "payload")
-            header = bytearray(blockformat.HEADER_NBYTES)
-            mac = blockformat.mac_of(self._auth, self._ns, key, parent, view) if self._auth else blockformat.NO_MAC
-            blockformat.pack_header(header, self._ns, key, parent, self.payload_nbytes,
-                                    blockformat.payload_checksum(view), mac)  # fmt: skip
-            tmp = self._prefix + b"!tmp:" + token + b":%d" % i
-            small += b"*5\r\n$3\r\nSET\r\n" + _bulk(tmp) + b"$%d\r\n" % self.value_nbytes + header
-            chunks += [small, view]
-            small = b"\r\n" + _bulk(b"PX") + _bulk(b"%d" % _PENDING_TTL_MS)
+        for tmp, (key, parent, _) in zip(tmps, items):
             commit_args += [tmp, self._id(key), self._id(parent) if parent is not None else b""]
-        chunks.append(small + _command(*commit_args) + _command(b"EXEC"))
+
+        def chunks() -> Iterator[bytes | memoryview]:
+            """Each block's header is made (its checksum taken) just before it is sent, so that Redis reads one
+            block while the next is hashed. RESP between two payloads goes out as one chunk: one send per gap."""
+            small = _command(b"MULTI")
+            for tmp, (key, parent, _), view in zip(tmps, items, views):
+                header = bytearray(blockformat.HEADER_NBYTES)
+                mac = blockformat.mac_of(self._auth, self._ns, key, parent, view) if self._auth else blockformat.NO_MAC
+                blockformat.pack_header(header, self._ns, key, parent, self.payload_nbytes,
+                                        blockformat.payload_checksum(view), mac)  # fmt: skip
+                yield small + b"*5\r\n$3\r\nSET\r\n" + _bulk(tmp) + b"$%d\r\n" % self.value_nbytes + header
+                yield view
+                small = b"\r\n" + _bulk(b"PX") + _bulk(b"%d" % _PENDING_TTL_MS)
+            yield small + _command(*commit_args) + _command(b"EXEC")
+
         try:
-            replies = self._exchange(chunks, len(items) + 3)
+            replies = self._exchange(chunks(), len(items) + 3)
         except _Skipped as skipped:
             return self._count_all([PutStatus.DROPPED if skipped.by_breaker else PutStatus.FAILED] * len(items))
         executed = replies[-1]
@@ -351,7 +356,7 @@ class RedisStore:
 
     # -- plumbing ---------------------------------------------------------------------------------------
 
-    def _exchange(self, chunks: list[bytes | memoryview], read: int | Callable[[Any], list[Any]]) -> list[Any]:
+    def _exchange(self, chunks: Iterable[bytes | memoryview], read: int | Callable[[Any], list[Any]]) -> list[Any]:
         """Send pre-packed commands on one pooled connection, then read that many replies (`_responses`), or what
         `read(connection)` reads, through the breaker. Raises _Skipped when Redis was not tried or did not
         answer."""
