@@ -285,16 +285,32 @@ def test_hung_server_times_out_then_breaker_skips(redis_server):
     assert store.breaker.state is BreakerState.CLOSED
 
 
-def test_redis_refusing_writes_is_a_failed_put_not_an_outage(tmp_path, redis_server):
+def test_a_redis_smaller_than_max_bytes_refuses_one_put_then_the_tier_fits_itself_to_it(tmp_path, redis_server):
+    """Redis keeps each value in its allocator's next size class (a power-of-two payload plus our header: 1.25x),
+    so a maxmemory sized from max_bytes alone is reached before the tier's own bound. Redis then refuses a put
+    (OOM): that put is FAILED, and the tier lowers its cap to what Redis held less one put, and evicts below it
+    (RECLAIM). From then on every put fits. Before, every later put was refused and the tier stored nothing."""
     server = RedisServer(redis_server.binary, tmp_path / "small", extra=("--maxmemory", "3mb")).start()
     try:
-        store = make_store(server, blocks=1000)  # misconfigured: the tier's bound is above Redis' own
-        data = payloads(1)[0]
-        statuses = [s for i in range(6) for s in store.put_many([(key_of(("m", i, j)), None, data) for j in range(50)])]
-        assert PutStatus.FAILED in statuses and store.breaker.state is BreakerState.CLOSED
-        assert store.delete_many([key_of(("m", 0, j)) for j in range(50)]) == 50  # deleting still works
-        assert store.put_many([(key_of(("m", "new")), None, data)]) == [PutStatus.STORED]
-        check_invariants(server.client(), store)
+        store = make_store(server, blocks=200)  # misconfigured: 200 values need about 4.2 MB of Redis memory
+        client = server.client()
+        data = payloads(8)
+        chains = [chain(8, f"oom{i}") for i in range(30)]  # 240 blocks
+        statuses = [store.put_many(items_of(keys, data)) for keys in chains]
+        failed = [i for i, s in enumerate(statuses) if PutStatus.FAILED in s]
+        assert failed, "Redis refused a put (the fault is there)"
+        assert all(s == [PutStatus.STORED] * 8 for s in statuses[failed[-1] + 1 :]) and failed[-1] < 20, failed
+        assert store.stats()["oom_reclaims"] == len(failed)
+        assert all(s.count(PutStatus.FAILED) in (0, 8) for s in statuses)  # a refused put stores none of its blocks
+        cap = int(client.get(store.key_prefix + "!cap"))
+        assert store.value_nbytes <= int(client.get(store.key_prefix + "!used")) <= cap < store.max_bytes
+        assert store.capacity_bytes() == cap  # what the metrics show as the tier's capacity
+        assert store.breaker.state is BreakerState.CLOSED
+        out = [torch.empty(PAYLOAD, dtype=torch.uint8) for _ in range(8)]
+        assert store.get_many(chains[-1], out) == [ReadStatus.OK] * 8
+        assert all(same_bytes(o, d) for o, d in zip(out, data))
+        check_invariants(client, store)
+        assert store.delete_many(chains[-1][:1]) == 8  # deleting still works
     finally:
         server.stop()
 

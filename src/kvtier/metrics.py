@@ -71,13 +71,13 @@ MAX_OBSERVED = 4096  # move durations kept per pair between two `take_observed` 
 
 
 class SharedStore(Protocol):
-    """What metrics read from a shared tier's store (RedisStore): local counters, and its byte count."""
-
-    max_bytes: int
+    """What metrics read from a shared tier's store (RedisStore): local counters, its byte count and its bound."""
 
     def stats(self) -> dict[str, Any]: ...
 
     def used_bytes(self) -> int | None: ...
+
+    def capacity_bytes(self) -> int: ...
 
 
 @dataclass
@@ -210,7 +210,8 @@ class Metrics:
         for name, store in self.shared.items():
             stats = store.stats()
             snap["shared"][name] = stats
-            snap.setdefault("tiers", {})[name] = {"used_bytes": store.used_bytes(), "capacity_bytes": store.max_bytes,
+            snap.setdefault("tiers", {})[name] = {"used_bytes": store.used_bytes(),
+                                                  "capacity_bytes": store.capacity_bytes(),
                                                   "enabled": self.tier_enabled(name)}  # fmt: skip
             if stats.get("evictions") and "evictions" in snap:  # what this engine's puts evicted
                 snap["evictions"][f"{name}/capacity"] = stats["evictions"]

@@ -11,7 +11,8 @@ tree (it samples keys, so it drops parents before their children and leaves orph
 applications' keys too, and is often not ours to configure (managed Redis refuses CONFIG SET). So, under
 `key_prefix`:
 
-    !used            bytes of all committed values (header + payload), never above max_bytes
+    !used            bytes of all committed values (header + payload), never above max_bytes (nor !cap)
+    !cap             once Redis refused a put for memory: the lower bound the tier keeps since (below)
     !meta  hash      id -> "<value bytes> <parent id>"       (id = namespace + key hex)
     !tick  hash      id -> last use, from the shared !clock counter
     !leaves zset     blocks that have no child in the tier, by last use: the only eviction candidates
@@ -28,16 +29,17 @@ temporary values, so no observer ever sees more than max_bytes of values under t
 trip too (the GETs and the touch script), its values read off the socket straight into the caller's buffers
 (`kvtier.stores.resp`).
 
-Give Redis a `maxmemory` a few percent above the sum of its tiers' max_bytes (per-key overhead) and
-`maxmemory-policy noeviction` (or a `volatile-*` one: our blocks have no TTL): Redis then never drops our
-blocks behind our back, and if it ever refuses a write (OOM) the put is FAILED and counted. Under an
-`allkeys-*` policy Redis may drop values itself: reads of those miss, `lookup` stops at the first missing
-block, and the count over-states until our own eviction reaches the entry. Not Redis Cluster-ready yet: the
-scripts touch keys they do not declare (one hash slot per key_prefix would fix that).
+Redis keeps each value in its allocator's next size class (1.25x a power-of-two payload) and needs room for a
+put's temporary values before its commit evicts: give it a `maxmemory` of 1.35x the tiers' max_bytes, plus one put
+per writer and a few MB, and `maxmemory-policy noeviction` (or `volatile-*`: our blocks have no TTL), so that it
+never drops our blocks itself. A put Redis refuses for memory anyway is FAILED (`oom_reclaims`), and `RECLAIM`
+makes what the tier held less one put its cap (`!cap`, for every engine; it only goes down) and evicts below it,
+so the next puts fit. Under an `allkeys-*` policy Redis may drop values itself: reads of those miss, `lookup`
+stops at the first missing block, and the count over-states until our own eviction reaches the entry. Not
+Redis Cluster-ready: the scripts touch keys they do not declare (one hash slot per key_prefix would fix that).
 
 Every call goes through a circuit breaker: with Redis down or slow, lookups return misses and stores are
-dropped at once (counted), instead of costing a timeout each.
-"""
+dropped at once (counted), instead of costing a timeout each."""
 
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -60,8 +62,8 @@ from kvtier.stores import blockformat
 from kvtier.stores.base import PutStatus, ReadStatus
 from kvtier.stores.breaker import BreakerState, CircuitBreaker
 from kvtier.stores.buffers import Buffer, byte_view
-from kvtier.stores.redis_scripts import COMMIT, DROP, TOUCH
-from kvtier.stores.resp import Replies
+from kvtier.stores.redis_scripts import COMMIT, DROP, RECLAIM, TOUCH
+from kvtier.stores.resp import Replies, bulk, command, responses
 
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError)  # the server is not answering: breaker failures
 _PENDING_TTL_MS = 600_000  # a temporary value left by a failed commit expires on its own
@@ -79,26 +81,6 @@ class NotStored(OSError):
     def __init__(self, status: PutStatus) -> None:
         super().__init__(f"block not stored in the redis tier: {status.value}")
         self.status = status
-
-
-def _bulk(arg: bytes) -> bytes:
-    return b"$%d\r\n%s\r\n" % (len(arg), arg)
-
-
-def _command(*args: bytes) -> bytes:
-    """One command in RESP, for small arguments."""
-    return b"*%d\r\n" % len(args) + b"".join(_bulk(a) for a in args)
-
-
-def _responses(conn: Any, n: int) -> list[Any]:
-    """`n` replies parsed by redis-py; an error reply comes back as a ResponseError in its place."""
-    replies: list[Any] = []
-    for _ in range(n):
-        try:
-            replies.append(conn.read_response())
-        except ResponseError as e:  # the reply was read whole: the connection is still in step
-            replies.append(e)
-    return replies
 
 
 class RedisStore:
@@ -178,27 +160,41 @@ class RedisStore:
         def chunks() -> Iterator[bytes | memoryview]:
             """Each block's header is made (its checksum taken) just before it is sent, so that Redis reads one
             block while the next is hashed. RESP between two payloads goes out as one chunk: one send per gap."""
-            small = _command(b"MULTI")
+            small = command(b"MULTI")
             for tmp, (key, parent, _), view in zip(tmps, items, views):
                 header = bytearray(blockformat.HEADER_NBYTES)
                 mac = blockformat.mac_of(self._auth, self._ns, key, parent, view) if self._auth else blockformat.NO_MAC
                 blockformat.pack_header(header, self._ns, key, parent, self.payload_nbytes,
                                         blockformat.payload_checksum(view), mac)  # fmt: skip
-                yield small + b"*5\r\n$3\r\nSET\r\n" + _bulk(tmp) + b"$%d\r\n" % self.value_nbytes + header
+                yield small + b"*5\r\n$3\r\nSET\r\n" + bulk(tmp) + b"$%d\r\n" % self.value_nbytes + header
                 yield view
-                small = b"\r\n" + _bulk(b"PX") + _bulk(b"%d" % _PENDING_TTL_MS)
-            yield small + _command(*commit_args) + _command(b"EXEC")
+                small = b"\r\n" + bulk(b"PX") + bulk(b"%d" % _PENDING_TTL_MS)
+            yield small + command(*commit_args) + command(b"EXEC")
 
         try:
             replies = self._exchange(chunks(), len(items) + 3)
         except _Skipped as skipped:
             return self._count_all([PutStatus.DROPPED if skipped.by_breaker else PutStatus.FAILED] * len(items))
         executed = replies[-1]
-        if not isinstance(executed, list) or not isinstance(executed[-1], list):
-            return self._count_all([PutStatus.FAILED] * len(items))  # EXECABORT (e.g. OOM): nothing applied
+        if not isinstance(executed, list) or not isinstance(executed[-1], list):  # EXECABORT: nothing applied
+            if any(isinstance(r, OutOfMemoryError) for r in replies):
+                self._reclaim(len(items) * self.value_nbytes)
+            return self._count_all([PutStatus.FAILED] * len(items))
         *statuses, evicted = executed[-1]
         self._count("evictions", int(evicted))
         return self._count_all([PutStatus(s.decode()) for s in statuses])
+
+    def _reclaim(self, nbytes: int) -> None:
+        """Redis refused a put of `nbytes` for memory (its maxmemory is below what max_bytes lets the tier hold):
+        lower the tier's cap for every engine and free room below it (`RECLAIM`), so that the next puts fit."""
+        try:
+            (evicted,) = self._exchange([command(b"EVAL", RECLAIM, b"0", self._prefix, b"%d" % nbytes,
+                                                  b"%d" % self.value_nbytes)], 1)
+        except _Skipped:
+            return
+        self._count("oom_reclaims")
+        if isinstance(evicted, int):
+            self._count("evictions", evicted)
 
     def put_chain(self, items: Sequence[tuple[bytes, bytes | None, Buffer]], held: set[bytes]) -> list[PutStatus]:
         """Write-through of (key, parent, payload) blocks, parents first, sending only what is needed.
@@ -244,8 +240,8 @@ class RedisStore:
             return []
         outs = [byte_view(b, self.payload_nbytes, "into", writable=True) for b in into_buffers]
         headers = [memoryview(bytearray(blockformat.HEADER_NBYTES)) for _ in keys]
-        chunks = [_command(b"GET", self._value_key(k)) for k in keys]
-        chunks.append(_command(b"EVAL", TOUCH, b"0", self._prefix, *(self._id(k) for k in keys)))
+        chunks = [command(b"GET", self._value_key(k)) for k in keys]
+        chunks.append(command(b"EVAL", TOUCH, b"0", self._prefix, *(self._id(k) for k in keys)))
 
         def read(conn: Any) -> list[Any]:  # each block's bytes straight into its buffer (kvtier.stores.resp)
             replies = Replies(conn._sock)
@@ -295,7 +291,7 @@ class RedisStore:
         if not keys:
             return []
         try:
-            replies = self._exchange([b"".join(_command(b"EXISTS", self._value_key(k)) for k in keys)], len(keys))
+            replies = self._exchange([b"".join(command(b"EXISTS", self._value_key(k)) for k in keys)], len(keys))
         except _Skipped:
             self._count("exists_skipped", len(keys))
             return [False] * len(keys)
@@ -312,7 +308,7 @@ class RedisStore:
             return 0
         args = [b"EVAL", DROP, b"0", self._prefix, *(self._id(k) for k in keys)]
         try:
-            (removed,) = self._exchange([_command(*args)], 1)
+            (removed,) = self._exchange([command(*args)], 1)
         except _Skipped:
             removed = None
         if not isinstance(removed, int):
@@ -341,10 +337,19 @@ class RedisStore:
     def used_bytes(self) -> int | None:
         """Bytes of all engines' blocks under key_prefix (what max_bytes bounds); None if Redis is away."""
         try:
-            (used,) = self._exchange([_command(b"GET", self._prefix + b"!used")], 1)
+            (used,) = self._exchange([command(b"GET", self._prefix + b"!used")], 1)
         except _Skipped:
             return None
         return int(used) if isinstance(used, bytes) else 0 if used is None else None
+
+    def capacity_bytes(self) -> int:
+        """max_bytes, or the lower cap the tier set itself when Redis refused a put for memory (`_reclaim`); max_bytes
+        if Redis is away."""
+        try:
+            (cap,) = self._exchange([command(b"GET", self._prefix + b"!cap")], 1)
+        except _Skipped:
+            return self.max_bytes
+        return min(self.max_bytes, int(cap)) if isinstance(cap, bytes) else self.max_bytes
 
     def stats(self) -> dict[str, Any]:
         """Plain counters for metrics: the breaker's and this store's (puts by status, gets by status, ...)."""
@@ -369,7 +374,7 @@ class RedisStore:
             raise _Skipped(by_breaker=False) from None
         try:
             conn.send_packed_command(chunks, check_health=False)
-            replies = _responses(conn, read) if isinstance(read, int) else read(conn)
+            replies = responses(conn, read) if isinstance(read, int) else read(conn)
         except _UNAVAILABLE:
             conn.disconnect()
             self.breaker.failure()

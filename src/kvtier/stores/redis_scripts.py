@@ -2,8 +2,8 @@
 
 The data model they keep under `key_prefix` is described in `kvtier.stores.redis`. `COMMIT` renames a put's
 temporary values into place (evicting least recently used leaves to make room), `TOUCH` marks hits as
-recently used, `DROP` removes blocks with their descendants. `allow-oom` (a `#!lua` flag, Redis/Valkey 7 and
-newer) lets a full Redis still be freed and touched.
+recently used, `DROP` removes blocks with their descendants, `RECLAIM` frees room when Redis itself is full.
+`allow-oom` (a `#!lua` flag, Redis/Valkey 7 and newer) lets a full Redis still be freed and touched.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 _COMMON = """
 local P = ARGV[1]
 local USED, CLOCK, META, TICK, LEAVES = P..'!used', P..'!clock', P..'!meta', P..'!tick', P..'!leaves'
+local CAP = P..'!cap'  -- set once Redis refused a put for memory (RECLAIM): the bound below max_bytes it allows
 local used = tonumber(redis.call('GET', USED) or '0')
 local function kids(id) return P..'!kids:'..id end
 local function meta(id)
@@ -54,7 +55,7 @@ end
 
 # ARGV: prefix, max_bytes, then (temporary key, id, parent id or '') per block, parents before children.
 _COMMIT_SOURCE = _COMMON + """
-local max = tonumber(ARGV[2])
+local max = math.min(tonumber(ARGV[2]), tonumber(redis.call('GET', CAP) or ARGV[2]))
 local out, evicted = {}, 0
 local last = nil  -- the block the previous iteration stored: present, and already the newest leaf
 for i = 3, #ARGV, 3 do
@@ -128,6 +129,25 @@ return n
 """
 
 
+
+# ARGV: prefix, the refused put's bytes, one block's bytes. Redis refused a put for memory: its maxmemory, not our
+# max_bytes, is the bound. What the tier held less one such put becomes its cap (never below one block), and
+# least recently used leaves go until it holds one put less than that: room for the next put's temporary values.
+_RECLAIM_SOURCE = "#!lua flags=allow-oom\n" + _COMMON + """
+local put, block = tonumber(ARGV[2]), tonumber(ARGV[3])
+local cap, evicted = math.max(used - put, block), 0
+while used > cap - put do
+  local lru = redis.call('ZRANGE', LEAVES, 0, 0)[1]
+  if lru == nil then break end
+  evicted = evicted + forget(lru)
+end
+redis.call('SET', USED, used)
+if cap < tonumber(redis.call('GET', CAP) or cap + 1) then redis.call('SET', CAP, cap) end
+return evicted
+"""
+
+
 COMMIT = _COMMIT_SOURCE.encode()
 TOUCH = _TOUCH_SOURCE.encode()
 DROP = _DROP_SOURCE.encode()
+RECLAIM = _RECLAIM_SOURCE.encode()

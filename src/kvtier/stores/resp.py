@@ -1,4 +1,5 @@
-"""Redis replies read straight off the socket, a block's bytes into the buffer that is waiting for them.
+"""The Redis tier's side of RESP: small commands packed by hand, and replies read straight off the socket, a
+block's bytes into the buffer that is waiting for them.
 
 redis-py (with hiredis or without) builds every bulk reply as a bytes object, and the tier then copied it into
 a host slot: two copies of every block read. Here a value of the size a block has goes header first into a
@@ -9,8 +10,31 @@ error, a value of another size) is read whole, as redis-py would, and judged by 
 from __future__ import annotations
 
 import socket
+from typing import Any
+
+from redis.exceptions import ResponseError
 
 _LINE_READ = 4096  # a reply's first line is short: read little past it, so a block's bytes mostly land in place
+
+
+def bulk(arg: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(arg), arg)
+
+
+def command(*args: bytes) -> bytes:
+    """One command in RESP, for small arguments."""
+    return b"*%d\r\n" % len(args) + b"".join(bulk(a) for a in args)
+
+
+def responses(conn: Any, n: int) -> list[Any]:
+    """`n` replies parsed by redis-py; an error reply comes back as a ResponseError in its place."""
+    replies: list[Any] = []
+    for _ in range(n):
+        try:
+            replies.append(conn.read_response())
+        except ResponseError as e:  # the reply was read whole: the connection is still in step
+            replies.append(e)
+    return replies
 
 
 class Replies:
