@@ -6,7 +6,7 @@ get the same element type, so nothing is ever converted.
 
 One block at a time (`copy_into_slot`, `copy_from_slot`) runs in the mover's threads, behind a promotion or a
 demotion; on the CPU it is a numpy copy, not a torch kernel: a torch kernel in a thread starts an OpenMP team
-of its own in it, and more OpenMP threads than cores stall the engine's team too. Batches (`copy_all`) run in
+of its own in it, and more OpenMP threads than cores stall the engine's team too. Batches (`copy_blocks`) run in
 the caller's thread, whose team the engine already has.
 """
 
