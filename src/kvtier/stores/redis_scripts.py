@@ -41,6 +41,15 @@ local function forget(id)  -- one block; its parent becomes a leaf when this was
   end
   return 1
 end
+local function evict_to(limit, keep)  -- least recently used leaves go until `used` <= limit; false if `keep`
+  local n = 0                          -- (or nothing) is the next one
+  while used > limit do
+    local lru = redis.call('ZRANGE', LEAVES, 0, 0)[1]
+    if lru == nil or lru == keep then return n, false end
+    n = n + forget(lru)
+  end
+  return n, true
+end
 local function drop(id)  -- a block and all its descendants
   local stack, n = {id}, 0
   while #stack > 0 do
@@ -70,11 +79,9 @@ for i = 3, #ARGV, 3 do
   elseif size > max then status = 'too_big'
   else
     if parent ~= '' and not chained then touch(parent) end  -- the newest leaf now: evicted last, then we stop
-    while used + size > max do
-      local lru = redis.call('ZRANGE', LEAVES, 0, 0)[1]
-      if lru == nil or lru == parent then status = 'no_room'; break end
-      evicted = evicted + forget(lru)
-    end
+    local n, room = evict_to(max - size, parent)
+    evicted = evicted + n
+    if not room then status = 'no_room' end
   end
   if status == 'stored' then
     redis.call('RENAME', tmp, P..id)
@@ -129,18 +136,13 @@ return n
 """
 
 
-
 # ARGV: prefix, the refused put's bytes, one block's bytes. Redis refused a put for memory: its maxmemory, not our
 # max_bytes, is the bound. What the tier held less one such put becomes its cap (never below one block), and
 # least recently used leaves go until it holds one put less than that: room for the next put's temporary values.
 _RECLAIM_SOURCE = "#!lua flags=allow-oom\n" + _COMMON + """
 local put, block = tonumber(ARGV[2]), tonumber(ARGV[3])
-local cap, evicted = math.max(used - put, block), 0
-while used > cap - put do
-  local lru = redis.call('ZRANGE', LEAVES, 0, 0)[1]
-  if lru == nil then break end
-  evicted = evicted + forget(lru)
-end
+local cap = math.max(used - put, block)
+local evicted = evict_to(cap - put, nil)
 redis.call('SET', USED, used)
 if cap < tonumber(redis.call('GET', CAP) or cap + 1) then redis.call('SET', CAP, cap) end
 return evicted
