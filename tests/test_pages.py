@@ -42,7 +42,6 @@ def steps(op: Op, slots: list[int]) -> list[Step]:
 def test_a_batch_lands_where_the_parts_would_and_comes_back_bit_exact(page_sizes, per_block):
     pages = engine(page_sizes, 40)
     runs, slots, slab = batch(pages, per_block, 9)
-    assert pages.move(slab, [], to_slab=True), "CPU pages are copied as memory, not as parts"
     CallerToSlot(slab).run_many(steps(Op.PUT, slots), CallerIO(blocks=pages.blocks(runs)))
     expected = HostSlab(slab.num_slots, slab.payload_nbytes)
     for run, slot in zip(runs, slots):
@@ -69,11 +68,30 @@ def test_paged_blocks_say_where_they_live_without_making_parts():
     assert ready_event(pages.blocks([[1]])) is None
 
 
-def test_pages_off_the_cpu_are_left_to_the_parts():
-    pages = Pages([torch.empty(8, 4096, dtype=torch.uint8, device="meta")])
-    assert not pages.move(HostSlab(2, 4096), [([1], 0)], to_slab=True)
-    row, skipped = pages.parts([1, None])
-    assert row.shape == (4096,) and skipped == 4096
+@pytest.mark.parametrize("page_sizes", [[4096, 12288, 8192], [4100, 7]])  # gathered as 8-byte words, as bytes
+@pytest.mark.parametrize("chunk_blocks", [1, 4, 100])
+def test_a_staged_batch_lands_where_memory_copies_put_it_and_comes_back_bit_exact(chunk_blocks, page_sizes):
+    """The path for pages on a device, run on the CPU: gathered through a staging buffer a chunk at a time (a
+    chunk smaller than a slot's engine blocks, one that ends mid-slot, one that holds the whole batch), the slots
+    are byte for byte what `move`'s memory copies make, and the load scatters every block back, leaving the
+    left-out engine block and the blocks outside the batch untouched."""
+    pages = engine(page_sizes, 40)
+    runs, slots, slab = batch(pages, 3, 9)
+    pairs = list(zip(runs, slots))
+    expected = HostSlab(slab.num_slots, slab.payload_nbytes)
+    pages.move(expected, pairs, to_slab=True)
+    pages.move_staged(slab, pairs, to_slab=True, chunk_bytes=chunk_blocks * pages.engine_block_nbytes)
+    for slot in range(slab.num_slots):
+        assert torch.equal(slab.slot(slot), expected.slot(slot)), slot
+
+    before = [p.clone() for p in pages.tensors]
+    for p in pages.tensors:
+        p.fill_(7)
+    pages.move_staged(slab, pairs, to_slab=False, chunk_bytes=chunk_blocks * pages.engine_block_nbytes)
+    loaded = {b for run in runs for b in run if b is not None}
+    for old, new in zip(before, pages.tensors):
+        for row in range(pages.num_blocks):
+            assert torch.equal(new[row], old[row]) if row in loaded else bool((new[row] == 7).all()), row
 
 
 @pytest.mark.parametrize("bad", ["engine block", "slot", "too many"])

@@ -7,9 +7,13 @@
 2. Exactness. bf16 KV blocks of Llama-3.1-8B's geometry go to the host tier and through it to a disk tier and
    back onto the GPU: bit-identical.
 3. Speed. D2H (store) and H2D (load) GB/s through the host tier against plain `copy_` between the same GPU
-   blocks and a pinned buffer, alternated, medians of paired runs.
+   blocks and a pinned buffer, alternated, medians of paired runs; for 16-token blocks (vLLM's engine blocks)
+   and 256-token ones (kvtier's default `block_size`).
+4. An engine's pages (what the vLLM connector moves on a GPU): Llama-3.1-8B's per-layer pages of 16-token engine
+   blocks, stored and loaded through the host batch handlers, staged (`Pages.move`) and as per-part copies,
+   against one pinned `copy_` of the same bytes each way; bit-exact first (`kvtier.bench.pages`).
 
-Prints one JSON object; exit code 1 if a check fails, 2 without CUDA.
+Prints one JSON object (a section that raised holds its error); exit code 1 if a check fails, 2 without CUDA.
 """
 
 from __future__ import annotations
@@ -20,13 +24,16 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 
 import torch
 
+from kvtier.bench.pages import pages_case
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
 from kvtier.keys import chain_keys
-from kvtier.layout import preset, round_up
+from kvtier.layout import KVLayout, preset, round_up
 
 SLEEP_CYCLES = 200_000_000  # about 0.1-0.2 s of GPU time queued ahead of the copies
 
@@ -34,8 +41,12 @@ SLEEP_CYCLES = 200_000_000  # about 0.1-0.2 s of GPU time queued ahead of the co
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtier.bench.gpu_check", description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", type=int, default=64, help="KV blocks per check (default 64)")
-    parser.add_argument("--block-tokens", type=int, default=16, help="tokens per block (default 16)")
+    parser.add_argument("--block-tokens", type=int, default=16, help="tokens per block of checks 1-2 (default 16)")
+    parser.add_argument("--speed-tokens", type=int, nargs="+", default=[16, 256],
+                        help="tokens per block of each speed figure (default 16 256)")
     parser.add_argument("--reps", type=int, default=7, help="paired runs of the speed figures (default 7)")
+    parser.add_argument("--page-blocks", type=int, default=16,
+                        help="256-token blocks of engine pages in the pages check (default 16)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kvtier gpu_check: needs CUDA (torch.cuda.is_available() is False)", file=sys.stderr)
@@ -51,17 +62,26 @@ def main(argv: list[str] | None = None) -> int:
                                                     "max_bytes": 4 * args.blocks * (nbytes + 8192)}]})
         with TieredCache(config, shape, torch.bfloat16, model="gpu-check") as cache:
             result["pinned"] = bool(getattr(cache.stores.host, "pinned", False))
-            result["ordering"] = _ordering(cache, shape, args.blocks)
-            result["exact"] = _exactness(cache, shape, args.blocks)
-    result["speed"] = _speed(_speed_config(args.blocks, nbytes, args.block_tokens), shape, args.blocks, args.reps)
-    ok = result["ordering"]["store_waited"] and result["ordering"]["load_waited"] and all(result["exact"].values())
+            _section(result, "ordering", lambda: _ordering(cache, shape, args.blocks))
+            _section(result, "exact", lambda: _exactness(cache, shape, args.blocks))
+    for tokens in args.speed_tokens:
+        _section(result, f"speed_{tokens}_tokens", lambda: _speed(layout, tokens, args.blocks, args.reps))
+    _section(result, "pages", lambda: pages_case("llama-3.1-8b", args.page_blocks, args.reps, lambda: None, "cuda"))
+    ordering, exact = result["ordering"], result["exact"]
+    ok = (ordering.get("store_waited") is True and ordering.get("load_waited") is True
+          and exact.get("host") is True and exact.get("disk") is True
+          and not any("error" in section for name, section in result.items() if name.startswith(("speed", "pages"))))
     result["ok"] = ok
     print(json.dumps(result, indent=2))
     return 0 if ok else 1
 
 
-def _speed_config(blocks: int, nbytes: int, block_tokens: int):  # host only: the D2H/H2D copies themselves
-    return parse_config({"cpu_bytes_to_use": blocks * round_up(nbytes), "block_size": block_tokens})
+def _section(result: dict, name: str, check: Callable[[], dict]) -> None:
+    """One check's figures, or its error: on a lent machine every other section's figures still come back."""
+    try:
+        result[name] = check()
+    except Exception:
+        result[name] = {"error": traceback.format_exc()}
 
 
 def _ordering(cache: TieredCache, shape: tuple, n: int) -> dict:
@@ -106,7 +126,10 @@ def _exactness(cache: TieredCache, shape: tuple, n: int) -> dict:
     return {"host": same(host), "disk": same(disk) and from_disk}
 
 
-def _speed(config, shape: tuple, n: int, reps: int) -> dict:
+def _speed(layout: KVLayout, tokens: int, n: int, reps: int) -> dict:
+    """Host tier only: the D2H and H2D copies themselves."""
+    shape = (layout.num_layers, 2, layout.num_kv_heads, tokens, layout.head_dim)
+    config = parse_config({"cpu_bytes_to_use": n * round_up(layout.bytes_per_block(tokens)), "block_size": tokens})
     blocks = [torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(n)]
     out = [torch.empty_like(b) for b in blocks]
     pinned = [torch.empty(shape, dtype=torch.bfloat16, pin_memory=True) for _ in range(n)]
@@ -137,6 +160,7 @@ def _speed(config, shape: tuple, n: int, reps: int) -> dict:
                 base_d2h.append(nbytes / (t3 - t2) / 1e9)
                 base_h2d.append(nbytes / (t4 - t3) / 1e9)
     return {
+        "block_tokens": tokens, "block_bytes": nbytes // n, "blocks": n,
         "d2h_gbps": statistics.median(ours_d2h), "h2d_gbps": statistics.median(ours_h2d),
         "copy_d2h_gbps": statistics.median(base_d2h), "copy_h2d_gbps": statistics.median(base_h2d),
         "d2h_vs_copy": statistics.median(a / b for a, b in zip(ours_d2h, base_d2h)),

@@ -54,14 +54,9 @@ class CallerToSlot:
         return Status.OK, self.slab.payload_nbytes
 
     def run_many(self, steps: Sequence[Step], io: CallerIO) -> None:
-        """Every part of every block in one copy call (on a device: on our stream, complete on return); an
-        engine's pages on the CPU as plain memory copies (`kvtier.mover.pages`)."""
-        if isinstance(io.blocks, PagedBlocks) and io.blocks.move(
-                self.slab, [(step.index, slot_of(step.dst_slot)) for step in steps], to_slab=True):
-            return
-        with device_stream(io.blocks, io.ready):
-            copy_blocks(self.slab, io.blocks, [(step.index, slot_of(step.dst_slot)) for step in steps], to_slab=True,
-                        non_blocking=True)
+        """Every part of every block in one copy call, an engine's pages as one batch (`kvtier.mover.pages`); on
+        a device, on our stream, complete on return."""
+        _batch(self.slab, io.blocks, [(step.index, slot_of(step.dst_slot)) for step in steps], True, io.ready)
 
 
 class SlotToCaller:
@@ -76,12 +71,7 @@ class SlotToCaller:
         return Status.OK, self.slab.payload_nbytes
 
     def run_many(self, steps: Sequence[Step], io: CallerIO) -> None:
-        if isinstance(io.out, PagedBlocks) and io.out.move(
-                self.slab, [(step.index, slot_of(step.src_slot)) for step in steps], to_slab=False):
-            return
-        with device_stream(io.out, io.ready):
-            copy_blocks(self.slab, io.out, [(step.index, slot_of(step.src_slot)) for step in steps], to_slab=False,
-                        non_blocking=True)
+        _batch(self.slab, io.out, [(step.index, slot_of(step.src_slot)) for step in steps], False, io.ready)
 
 
 class SlotToObject:
@@ -156,6 +146,15 @@ def build_handlers(stores: Stores, put: CallerToSlot, get: SlotToCaller,
             if src_name != dst_name:
                 handlers[(src_name, dst_name)] = ObjectToObject(src, dst, _counter(integrity_failure, src_name))
     return handlers
+
+
+def _batch(slab: SlotStore, blocks: Sequence[CallerBlock], moves: list[tuple[int, int]], to_slab: bool,
+           ready: Any) -> None:
+    with device_stream(blocks, ready):
+        if isinstance(blocks, PagedBlocks):
+            blocks.move(slab, moves, to_slab)
+        else:
+            copy_blocks(slab, blocks, moves, to_slab, non_blocking=True)
 
 
 def thread_buffer(local: threading.local, nbytes: int) -> memoryview:
