@@ -12,6 +12,8 @@
 4. An engine's pages (what the vLLM connector moves on a GPU): Llama-3.1-8B's per-layer pages of 16-token engine
    blocks, stored and loaded through the host batch handlers, staged (`Pages.move`) and as per-part copies,
    against one pinned `copy_` of the same bytes each way; bit-exact first (`kvtier.bench.pages`).
+5. Where the gaps lie (`kvtier.bench.gpu_gaps`): the slab's page-locked memory against torch's pinned memory, and
+   the staged path's gather as bytes and as words.
 
 Prints one JSON object (a section that raised holds its error); exit code 1 if a check fails, 2 without CUDA.
 """
@@ -29,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvtier.bench.gpu_gaps import gaps
 from kvtier.bench.pages import pages_case
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
@@ -67,10 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     for tokens in args.speed_tokens:
         _section(result, f"speed_{tokens}_tokens", lambda: _speed(layout, tokens, args.blocks, args.reps))
     _section(result, "pages", lambda: pages_case("llama-3.1-8b", args.page_blocks, args.reps, lambda: None, "cuda"))
+    _section(result, "gaps", lambda: gaps(args.blocks, args.reps))
     ordering, exact = result["ordering"], result["exact"]
+    figures = [section for name, section in result.items() if name.startswith(("speed", "pages", "gaps"))]
     ok = (ordering.get("store_waited") is True and ordering.get("load_waited") is True
-          and exact.get("host") is True and exact.get("disk") is True
-          and not any("error" in section for name, section in result.items() if name.startswith(("speed", "pages"))))
+          and exact.get("host") is True and exact.get("disk") is True and not any("error" in s for s in figures))
     result["ok"] = ok
     print(json.dumps(result, indent=2))
     return 0 if ok else 1

@@ -1,0 +1,106 @@
+"""Where a GPU figure's gap lies, measured apart (a section of `gpu_check`), so that one run on a lent machine
+says what to change:
+
+- `memory`: plain per-block `copy_`s between the GPU and the host slab's own memory (an mmap page-locked with
+  `cudaHostRegister`) against the same copies to and from torch's pinned memory (`cudaHostAlloc`). A gap here
+  is the slab's memory, not kvtier's code.
+- `gather`: the staged pages path's gather (`index_select` of a batch's engine blocks from 64 pages of 32 KiB
+  into one device buffer) with the pages seen as bytes and as 8-byte words, against a device-to-device
+  `copy_` of as many bytes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvtier.stores.host import HostSlab
+
+MiB = 1 << 20
+
+
+def gaps(blocks: int, reps: int) -> dict:
+    return {"transparent_hugepage": _thp(), "memory": _memory(blocks, reps), "gather": _gather(reps)}
+
+
+def _memory(n: int, reps: int) -> dict:
+    """n blocks of 2 MiB each way, alternated between the slab's memory and torch's pinned memory."""
+    gpu = [torch.randint(0, 256, (2 * MiB,), dtype=torch.uint8, device="cuda") for _ in range(n)]
+    torch_pinned = [torch.empty(2 * MiB, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
+    with HostSlab(n, 2 * MiB) as slab:
+        slots = [slab.slot(i) for i in range(n)]
+        sides = {"slab": slots, "torch_pinned": torch_pinned}
+        figures: dict = {"slab_pinned": slab.pinned, "hugepages_kib": _huge_kib(slots[0].data_ptr())}
+        for direction in ("d2h", "h2d"):
+            def copies(host: list[torch.Tensor]) -> Callable[[], None]:
+                pairs = list(zip(host, gpu) if direction == "d2h" else zip(gpu, host))
+                return lambda: [dst.copy_(src, non_blocking=True) for dst, src in pairs]
+            times = _paired({name: copies(host) for name, host in sides.items()}, reps)
+            figures[direction] = _gbps(times, n * 2 * MiB, ours="slab", base="torch_pinned")
+    return figures
+
+
+def _gather(reps: int) -> dict:
+    """Llama-3.1-8B's pages: 64 of 32 KiB per 16-token engine block; 1,024 engine blocks gathered (64 MiB)."""
+    pages = [torch.randint(0, 256, (2048, 32 * 1024), dtype=torch.uint8, device="cuda") for _ in range(64)]
+    index = torch.randperm(2048, device="cuda")[:1024]
+    staging = torch.empty((1024, 64 * 32 * 1024), dtype=torch.uint8, device="cuda")
+    flat = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+
+    def gather(word: torch.dtype) -> Callable[[], None]:
+        seen = [p.view(word) for p in pages]
+        rows = staging.view(word)
+        width = seen[0].shape[1]
+        return lambda: [torch.index_select(p, 0, index, out=rows[:, j * width : (j + 1) * width])
+                        for j, p in enumerate(seen)]
+
+    times = _paired({"bytes": gather(torch.uint8), "words": gather(torch.int64),
+                     "copy": lambda: flat.copy_(staging.view(-1)[: 64 * MiB])}, reps)
+    return {"bytes_vs_copy": _gbps(times, 64 * MiB, ours="bytes", base="copy"),
+            "words_vs_copy": _gbps(times, 64 * MiB, ours="words", base="copy")}
+
+
+def _paired(sides: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+    """Each side's seconds per run (synchronized), the order rotated every round; one warm-up round."""
+    names = list(sides)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps + 1):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            sides[name]()
+            torch.cuda.synchronize()
+            if rep:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _gbps(times: dict[str, list[float]], nbytes: int, ours: str, base: str) -> dict:
+    return {f"{ours}_gbps": nbytes / statistics.median(times[ours]) / 1e9,
+            f"{base}_gbps": nbytes / statistics.median(times[base]) / 1e9,
+            "ratio": statistics.median(b / o for o, b in zip(times[ours], times[base]))}
+
+
+def _thp() -> str:
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return path.read_text().strip() if path.exists() else "unknown"
+
+
+def _huge_kib(address: int) -> int | None:
+    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps); None where it cannot be read."""
+    try:
+        inside = False
+        for line in Path("/proc/self/smaps").read_text().splitlines():
+            head = line.split()[0] if line else ""
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low <= address < high
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
