@@ -315,6 +315,41 @@ def test_a_redis_smaller_than_max_bytes_refuses_one_put_then_the_tier_fits_itsel
         server.stop()
 
 
+def test_the_cap_a_full_redis_set_expires_so_the_tier_uses_memory_added_later(tmp_path, redis_server):
+    """The cap holds `oom_cap_s`. Then the tier grows back towards max_bytes: with Redis still short of memory that
+    costs one refused put, which sets the cap again; once memory was added, the tier fills it (past the old cap)
+    without anyone deleting a key."""
+    server = RedisServer(redis_server.binary, tmp_path / "small", extra=("--maxmemory", "3mb")).start()
+    try:
+        store = make_store(server, blocks=200, oom_cap_s=0.6)  # 200 values need about 4.2 MB of Redis memory
+        client = server.client()
+        data = payloads(8)
+
+        def fill(tag: str, n: int) -> list[list[PutStatus]]:
+            return [store.put_many(items_of(chain(8, f"{tag}{i}"), data)) for i in range(n)]
+
+        def refused(statuses: list[list[PutStatus]]) -> int:
+            return sum(PutStatus.FAILED in s for s in statuses)
+
+        assert refused(fill("a", 20)) >= 1 and client.exists(store.key_prefix + "!cap")
+        first_cap = store.capacity_bytes()
+        assert first_cap < store.max_bytes and refused(fill("b", 10)) == 0  # under the cap: every put fits
+        time.sleep(0.8)
+        assert store.capacity_bytes() == store.max_bytes, "the cap expired"
+        reclaims = store.stats()["oom_reclaims"]
+        again = fill("c", 10)
+        assert refused(again) >= 1 and all(s == [PutStatus.STORED] * 8 for s in again[-3:])  # short still: capped again
+        assert store.capacity_bytes() < store.max_bytes and store.stats()["oom_reclaims"] == reclaims + refused(again)
+        client.config_set("maxmemory", "64mb")  # memory added
+        time.sleep(0.8)
+        assert refused(fill("d", 30)) == 0
+        assert int(client.get(store.key_prefix + "!used")) > first_cap + 8 * store.value_nbytes
+        assert store.capacity_bytes() == store.max_bytes and not client.exists(store.key_prefix + "!cap")
+        check_invariants(client, store)
+    finally:
+        server.stop()
+
+
 # -- the breaker on its own -------------------------------------------------------------------------------
 
 
@@ -346,10 +381,10 @@ def test_breaker_states():
 
 def test_redis_tier_config(redis_server):
     tier = {"type": "redis", "url": redis_server.url, "max_bytes": 1 << 20, "key_prefix": "kvt:",
-            "breaker_failures": 5}  # fmt: skip
+            "breaker_failures": 5, "oom_cap_s": 30}  # fmt: skip
     config = parse_config({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [tier]})
     store = redis_store(config.secondary_tiers[0], NS, PAYLOAD)
-    assert store.breaker.failure_threshold == 5
+    assert store.breaker.failure_threshold == 5 and store._oom_cap_ms == b"30000"
     store.write(chain(1)[0], None, payloads(1)[0])  # as DiskStore.write: returns once stored...
     with pytest.raises(OSError, match="orphan"):  # ...and raises OSError when not, so the mover sees FAILED
         store.write(chain(2, "z")[1], chain(2, "z")[0], payloads(1)[0])
@@ -358,6 +393,8 @@ def test_redis_tier_config(redis_server):
         parse_config({"cpu_bytes_to_use": 1, "secondary_tiers": [{**tier, "url": "http://u:secret@h"}]})
     with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.ssl_ca_certs: needs a rediss://"):
         parse_config({"cpu_bytes_to_use": 1, "secondary_tiers": [{**tier, "ssl_ca_certs": "/ca.pem"}]})
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.oom_cap_s"):
+        parse_config({"cpu_bytes_to_use": 1, "secondary_tiers": [{**tier, "oom_cap_s": 0}]})
     with pytest.raises(ConfigError) as err:
         parse_config({"cpu_bytes_to_use": 1, "secondary_tiers": [{**tier, "url": "redis://u:secret@h:0x"}]})
     assert "secret" not in str(err.value)

@@ -106,6 +106,7 @@ class RedisTierConfig(_Strict):
     pool_size: PositiveInt = 16  # connections per worker; mover threads beyond it wait for one
     breaker_failures: PositiveInt = 3  # consecutive failures that open the circuit breaker
     breaker_cooldown_s: PositiveFloat = 2.0  # open this long, then one probe call
+    oom_cap_s: PositiveFloat = 600.0  # how long a bound that a Redis refusing a put for memory set holds
     n_read_threads: PositiveInt = 8
     n_write_threads: PositiveInt = 4
     write_policy: Literal["write_back", "write_through"] = "write_back"

@@ -64,7 +64,8 @@ def redis_store(tier: RedisTierConfig, namespace: str, payload_nbytes: int,
     return RedisStore(
         tier.url, namespace, payload_nbytes, tier.max_bytes, key_prefix=tier.key_prefix,
         socket_timeout_s=tier.socket_timeout_s, connect_timeout_s=tier.connect_timeout_s,
-        pool_size=tier.pool_size, breaker=breaker, auth_key=auth_key, **tier.connection_kwargs(),
+        pool_size=tier.pool_size, breaker=breaker, auth_key=auth_key, oom_cap_s=tier.oom_cap_s,
+        **tier.connection_kwargs(),
     )  # fmt: skip
 
 

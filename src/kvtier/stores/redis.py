@@ -12,7 +12,7 @@ applications' keys too, and is often not ours to configure (managed Redis refuse
 `key_prefix`:
 
     !used            bytes of all committed values (header + payload), never above max_bytes (nor !cap)
-    !cap             once Redis refused a put for memory: the lower bound the tier keeps since (below)
+    !cap             once Redis refused a put for memory: the lower bound the tier keeps for oom_cap_s (below)
     !meta  hash      id -> "<value bytes> <parent id>"       (id = namespace + key hex)
     !tick  hash      id -> last use, from the shared !clock counter
     !leaves zset     blocks that have no child in the tier, by last use: the only eviction candidates
@@ -33,8 +33,9 @@ Redis keeps each value in its allocator's next size class (1.25x a power-of-two 
 put's temporary values before its commit evicts: give it a `maxmemory` of 1.35x the tiers' max_bytes, plus one put
 per writer and a few MB, and `maxmemory-policy noeviction` (or `volatile-*`: our blocks have no TTL), so that it
 never drops our blocks itself. A put Redis refuses for memory anyway is FAILED (`oom_reclaims`), and `RECLAIM`
-makes what the tier held less one put its cap (`!cap`, for every engine; it only goes down) and evicts below it,
-so the next puts fit. Under an `allkeys-*` policy Redis may drop values itself: reads of those miss, `lookup`
+makes what the tier held less one put its cap (`!cap`, for every engine) and evicts below it, so the next puts
+fit; after `oom_cap_s` the cap expires and the tier grows back (memory added to Redis is used; memory still short
+costs one refused put). Under an `allkeys-*` policy Redis may drop values itself: reads of those miss, `lookup`
 stops at the first missing block, and the count over-states until our own eviction reaches the entry. Not
 Redis Cluster-ready: the scripts touch keys they do not declare (one hash slot per key_prefix would fix that).
 
@@ -100,6 +101,7 @@ class RedisStore:
         pool_size: int = 16,
         breaker: CircuitBreaker | None = None,
         auth_key: bytes | None = None,
+        oom_cap_s: float = 600.0,
         **connection_kwargs: Any,
     ) -> None:
         """`connection_kwargs` go to redis-py's connection (ssl_ca_certs, ssl_certfile, ...); TLS and
@@ -113,16 +115,15 @@ class RedisStore:
             raise ValueError(f"max_bytes ({max_bytes}) holds no block of {self.value_nbytes} bytes")
         self.key_prefix = key_prefix
         self._ns = bytes.fromhex(namespace)
-        self._auth = auth_key
-        self._prefix = key_prefix.encode()
+        self._auth, self._prefix = auth_key, key_prefix.encode()
+        self._oom_cap_ms = b"%d" % max(1, round(oom_cap_s * 1000))
         self.breaker = breaker or CircuitBreaker()
         self._pool = redis.BlockingConnectionPool.from_url(
             url, max_connections=pool_size, timeout=connect_timeout_s + socket_timeout_s,
             socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
             retry=Retry(NoBackoff(), 0), health_check_interval=0, **connection_kwargs,
         )  # fmt: skip
-        self._counts: Counter[str] = Counter()
-        self._counts_lock = threading.Lock()
+        self._counts, self._counts_lock = Counter[str](), threading.Lock()
 
     @property
     def footprint(self) -> int:
@@ -189,7 +190,7 @@ class RedisStore:
         lower the tier's cap for every engine and free room below it (`RECLAIM`), so that the next puts fit."""
         try:
             (evicted,) = self._exchange([command(b"EVAL", RECLAIM, b"0", self._prefix, b"%d" % nbytes,
-                                                  b"%d" % self.value_nbytes)], 1)
+                                                  b"%d" % self.value_nbytes, self._oom_cap_ms)], 1)
         except _Skipped:
             return
         self._count("oom_reclaims")
@@ -343,8 +344,7 @@ class RedisStore:
         return int(used) if isinstance(used, bytes) else 0 if used is None else None
 
     def capacity_bytes(self) -> int:
-        """max_bytes, or the lower cap the tier set itself when Redis refused a put for memory (`_reclaim`); max_bytes
-        if Redis is away."""
+        """max_bytes, or the lower cap `_reclaim` set while it holds; max_bytes if Redis is away."""
         try:
             (cap,) = self._exchange([command(b"GET", self._prefix + b"!cap")], 1)
         except _Skipped:
@@ -363,8 +363,7 @@ class RedisStore:
 
     def _exchange(self, chunks: Iterable[bytes | memoryview], read: int | Callable[[Any], list[Any]]) -> list[Any]:
         """Send pre-packed commands on one pooled connection, then read that many replies (`_responses`), or what
-        `read(connection)` reads, through the breaker. Raises _Skipped when Redis was not tried or did not
-        answer."""
+        `read(connection)` reads, through the breaker. Raises _Skipped when Redis was not tried or not answering."""
         if not self.breaker.allow():
             raise _Skipped(by_breaker=True)
         try:

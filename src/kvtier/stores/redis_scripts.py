@@ -11,7 +11,7 @@ from __future__ import annotations
 _COMMON = """
 local P = ARGV[1]
 local USED, CLOCK, META, TICK, LEAVES = P..'!used', P..'!clock', P..'!meta', P..'!tick', P..'!leaves'
-local CAP = P..'!cap'  -- set once Redis refused a put for memory (RECLAIM): the bound below max_bytes it allows
+local CAP = P..'!cap'  -- set when Redis refused a put for memory (RECLAIM): the bound below max_bytes it allows
 local used = tonumber(redis.call('GET', USED) or '0')
 local function kids(id) return P..'!kids:'..id end
 local function meta(id)
@@ -136,15 +136,16 @@ return n
 """
 
 
-# ARGV: prefix, the refused put's bytes, one block's bytes. Redis refused a put for memory: its maxmemory, not our
-# max_bytes, is the bound. What the tier held less one such put becomes its cap (never below one block), and
-# least recently used leaves go until it holds one put less than that: room for the next put's temporary values.
+# ARGV: prefix, the refused put's bytes, one block's bytes, how long the cap holds (ms). Redis refused a put for
+# memory: its maxmemory, not our max_bytes, is the bound. What the tier held less one such put becomes its cap
+# (never below one block; a lower cap another engine set stays as it is), and least recently used leaves go until
+# it holds one put less than that: room for the next put's temporary values.
 _RECLAIM_SOURCE = "#!lua flags=allow-oom\n" + _COMMON + """
 local put, block = tonumber(ARGV[2]), tonumber(ARGV[3])
 local cap = math.max(used - put, block)
 local evicted = evict_to(cap - put, nil)
 redis.call('SET', USED, used)
-if cap < tonumber(redis.call('GET', CAP) or cap + 1) then redis.call('SET', CAP, cap) end
+if cap <= tonumber(redis.call('GET', CAP) or cap) then redis.call('SET', CAP, cap, 'PX', ARGV[4]) end
 return evicted
 """
 
