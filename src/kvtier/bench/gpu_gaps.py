@@ -7,10 +7,16 @@ says what to change:
 - `gather`: the staged pages path's gather (`index_select` of a batch's engine blocks from 64 pages of 32 KiB
   into one device buffer) with the pages seen as bytes and as 8-byte words, against a device-to-device
   `copy_` of as many bytes.
+- `per_call`: what one `TieredCache` store (with `flush`) and one load of a single 2 MiB block cost against a
+  synchronized `copy_` each way, and cProfile's heaviest functions over those calls: where a fixed cost per call
+  goes (on the CPU it is tens of microseconds).
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import statistics
 import time
 from collections.abc import Callable
@@ -18,13 +24,18 @@ from pathlib import Path
 
 import torch
 
+from kvtier.cache import TieredCache
+from kvtier.config import parse_config
+from kvtier.keys import chain_keys
+from kvtier.layout import round_up
 from kvtier.stores.host import HostSlab
 
 MiB = 1 << 20
 
 
 def gaps(blocks: int, reps: int) -> dict:
-    return {"transparent_hugepage": _thp(), "memory": _memory(blocks, reps), "gather": _gather(reps)}
+    return {"transparent_hugepage": _thp(), "memory": _memory(blocks, reps), "gather": _gather(reps),
+            "per_call": _per_call(50)}
 
 
 def _memory(n: int, reps: int) -> dict:
@@ -62,6 +73,37 @@ def _gather(reps: int) -> dict:
                      "copy": lambda: flat.copy_(staging.view(-1)[: 64 * MiB])}, reps)
     return {"bytes_vs_copy": _gbps(times, 64 * MiB, ours="bytes", base="copy"),
             "words_vs_copy": _gbps(times, 64 * MiB, ours="words", base="copy")}
+
+
+def _per_call(calls: int) -> dict:
+    shape = (32, 2, 8, 16, 128)  # one 16-token block of Llama-3.1-8B, bf16: 2 MiB
+    block = torch.randn(shape, device="cuda").to(torch.bfloat16)
+    out, pinned = torch.empty_like(block), torch.empty(shape, dtype=torch.bfloat16, pin_memory=True)
+    config = parse_config({"cpu_bytes_to_use": 4 * round_up(block.nbytes), "block_size": 16})
+    timings: dict[str, list[float]] = {"store": [], "load": [], "copy_d2h": [], "copy_h2d": []}
+    profile = cProfile.Profile()
+
+    def timed(name: str, call: Callable[[], object]) -> None:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        timings[name].append(time.perf_counter() - start)
+
+    with TieredCache(config, shape, torch.bfloat16, model="gpu-per-call") as cache:
+        for call in range(calls + 1):
+            keys = chain_keys(list(range(16)), 16, extra_keys=[f"per-call-{call}"])
+            if call:
+                profile.enable()
+            timed("store", lambda: (cache.store(keys, [block]), cache.flush()))
+            timed("load", lambda: cache.load(keys, out=[out]))
+            profile.disable()
+            timed("copy_d2h", lambda: pinned.copy_(block, non_blocking=True))
+            timed("copy_h2d", lambda: out.copy_(pinned, non_blocking=True))
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
+    return {**{f"{name}_us": statistics.median(times[1:]) * 1e6 for name, times in timings.items()},
+            "profile": text.getvalue().splitlines()[-32:]}
 
 
 def _paired(sides: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
