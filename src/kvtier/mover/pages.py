@@ -105,8 +105,9 @@ class Pages:
             chunk = entries[start : start + per_chunk]
             rows, row_words = staging[: len(chunk)], words[: len(chunk)]
             index = torch.tensor([b for _, _, b in chunk], dtype=torch.long)
-            if device.type != "cpu":  # pinned, so that the index crosses without waiting for the stream
-                index = index.pin_memory().to(device, non_blocking=True)
+            if device.type == "cuda":  # pinned, so that the index crosses without waiting for the stream
+                index = index.pin_memory()
+            index = index.to(device, non_blocking=True)
             crossings = [(slot_views[slot][at : at + n * width].view(n, width), rows[first : first + n])
                          for slot, at, first, n in _spans(chunk, width)]
             if to_slab:
