@@ -12,8 +12,8 @@
 4. An engine's pages (what the vLLM connector moves on a GPU): Llama-3.1-8B's per-layer pages of 16-token engine
    blocks, stored and loaded through the host batch handlers, staged (`Pages.move`) and as per-part copies,
    against one pinned `copy_` of the same bytes each way; bit-exact first (`kvtier.bench.pages`).
-5. Where the gaps lie (`kvtier.bench.gpu_gaps`): the slab's page-locked memory against torch's pinned memory, and
-   the staged path's gather as bytes and as words.
+5. Where the gaps lie (`kvtier.bench.gpu_gaps`): the slab's page-locked memory against torch's pinned memory, the
+   staged path's gather as bytes and as words, and one block's store and load against a synchronized `copy_`.
 
 Prints one JSON object (a section that raised holds its error); exit code 1 if a check fails, 2 without CUDA.
 """
