@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.bench.timing import summary
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
 from kvtier.keys import chain_keys
@@ -45,13 +46,13 @@ def _memory(n: int, reps: int) -> dict:
     with HostSlab(n, 2 * MiB) as slab:
         slots = [slab.slot(i) for i in range(n)]
         sides = {"slab": slots, "torch_pinned": torch_pinned}
-        figures: dict = {"slab_pinned": slab.pinned, "hugepages_kib": _huge_kib(slots[0].data_ptr())}
+        figures: dict = {"slab_pinned": slab.pinned}
         for direction in ("d2h", "h2d"):
             def copies(host: list[torch.Tensor]) -> Callable[[], None]:
                 pairs = list(zip(host, gpu) if direction == "d2h" else zip(gpu, host))
                 return lambda: [dst.copy_(src, non_blocking=True) for dst, src in pairs]
             times = _paired({name: copies(host) for name, host in sides.items()}, reps)
-            figures[direction] = _gbps(times, n * 2 * MiB, ours="slab", base="torch_pinned")
+            figures[direction] = _summary(times, n * 2 * MiB, ours="slab", base="torch_pinned")
     return figures
 
 
@@ -71,8 +72,8 @@ def _gather(reps: int) -> dict:
 
     times = _paired({"bytes": gather(torch.uint8), "words": gather(torch.int64),
                      "copy": lambda: flat.copy_(staging.view(-1)[: 64 * MiB])}, reps)
-    return {"bytes_vs_copy": _gbps(times, 64 * MiB, ours="bytes", base="copy"),
-            "words_vs_copy": _gbps(times, 64 * MiB, ours="words", base="copy")}
+    return {"bytes_vs_copy": _summary(times, 64 * MiB, ours="bytes", base="copy"),
+            "words_vs_copy": _summary(times, 64 * MiB, ours="words", base="copy")}
 
 
 def _per_call(calls: int) -> dict:
@@ -121,28 +122,12 @@ def _paired(sides: dict[str, Callable[[], object]], reps: int) -> dict[str, list
     return times
 
 
-def _gbps(times: dict[str, list[float]], nbytes: int, ours: str, base: str) -> dict:
-    return {f"{ours}_gbps": nbytes / statistics.median(times[ours]) / 1e9,
-            f"{base}_gbps": nbytes / statistics.median(times[base]) / 1e9,
-            "ratio": statistics.median(b / o for o, b in zip(times[ours], times[base]))}
+def _summary(times: dict[str, list[float]], nbytes: int, ours: str, base: str) -> dict:
+    """`kvtier.bench.timing.summary` of two of the sides."""
+    return summary({"ours_s": times[ours], "baseline_s": times[base]}, nbytes)
 
 
 def _thp() -> str:
     path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     return path.read_text().strip() if path.exists() else "unknown"
 
-
-def _huge_kib(address: int) -> int | None:
-    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps); None where it cannot be read."""
-    try:
-        inside = False
-        for line in Path("/proc/self/smaps").read_text().splitlines():
-            head = line.split()[0] if line else ""
-            if "-" in head and not head.endswith(":"):
-                low, high = (int(x, 16) for x in head.split("-"))
-                inside = low <= address < high
-            elif inside and line.startswith("AnonHugePages:"):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None

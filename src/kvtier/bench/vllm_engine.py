@@ -6,9 +6,6 @@ in the same run on the same machine. Medians over several prompts; one fresh eng
                            every block host evicts (`min_sightings: 1`), as do the slow-disk figures' tiers
 - ttft_host_vs_engine_hit  the host-tier hit ÷ vLLM's own prefix-cache hit of the same prompt right after, in the
                            same engine: the median over prompts of each prompt's ratio (its hits' median below it)
-
-Every timed request of the TTFT figures (not the no-reuse rounds) reaches an idle engine, as on a server with time
-between requests: the stores of the requests before it have run (`_settle`), not in its first step.
 - ttft_redis_vs_recompute  the prefix back from a Redis tier (a redis-server of the bench's own, on loopback)
 - p99_ttft_no_reuse_on_vs_off  unique prompts only: p99 TTFT with kvtier as it starts (the host tier, no secondary
                                tiers configured) ÷ without; engines with and without alternate, and the figure is
@@ -21,6 +18,9 @@ between requests: the stores of the requests before it have run (`_settle`), not
                                     (`load_policy: auto`) ÷ recomputing (kvtier off), the median of the
                                     requests' paired ratios (the same prompt at the same position)
 - ttft_slow_disk_always_vs_recompute  the same, loading every block found (`load_policy: always`)
+
+Every timed request of the TTFT figures (not the no-reuse rounds) reaches an idle engine, as on a server with time
+between requests: the stores of the requests before it have run (`_settle`), not in its first step.
 """
 
 from __future__ import annotations
