@@ -8,8 +8,9 @@ in the same run on the same machine. Medians over several prompts; one fresh eng
                            same engine: the median over prompts of each prompt's ratio (its hits' median below it)
 - ttft_redis_vs_recompute  the prefix back from a Redis tier (a redis-server of the bench's own, on loopback)
 - p99_ttft_no_reuse_on_vs_off  unique prompts only: p99 TTFT with kvtier as it starts (the host tier, no secondary
-                               tiers configured) ÷ without; engines with and without alternate, and the figure is
-                               the median of the rounds' ratios
+                               tiers configured) ÷ without; a round runs one fresh engine of each configuration,
+                               in the reverse order every other round (an engine's place in the round moves its
+                               figures), and the figure is the median of the rounds' ratios
 - p99_ttft_no_reuse_disk_on_vs_off  the same with host + disk tiers as configured by default (the disk's admission
                                     `auto`: no block comes back, so none seen once is demoted)
 - p99_ttft_no_reuse_disk_1st_sighting_on_vs_off  the same with every unique block demoted (`min_sightings: 1`)
@@ -44,7 +45,8 @@ FILLER = 2048
 REPS = 7
 HITS = 3  # vLLM's own hits of each restored prompt: the restore's paired baseline is their median
 UNIQUE = 96  # per round: the p99 of 96 is the second slowest, not just the slowest
-ROUNDS = 5  # of the no-reuse comparison: fresh engines differ by several percent, so pair them and repeat
+ROUNDS = 6  # of the no-reuse comparison: fresh engines differ by several percent, so pair them and repeat;
+# even, so that each order of the engines runs as often
 BLOCK_NBYTES = 2 * 128 * 2048  # a 256-token block of the tiny model
 SLOW_PROMPTS, SLOW_REQUESTS, SLOW_DELAY_S = 8, 24, 0.3  # prefixes, requests served slowed, seconds per disk read
 
@@ -167,8 +169,9 @@ def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
             shared = {"type": "redis", "url": url, "max_bytes": 256 * (BLOCK_NBYTES + 4096)}
             runs["redis"] = engine("redis", "tiers", {"cpu_bytes_to_use": 16 * BLOCK_NBYTES, "load_policy": "always",
                                                       "secondary_tiers": [shared]}, REPS, 0)
-        no_reuse = [{name: engine(name, "tiers", config, 0, UNIQUE)["unique"] for name, config in configs.items()}
-                    for _ in range(ROUNDS)]
+        orders = [list(configs), list(reversed(configs))]
+        no_reuse = [{name: engine(name, "tiers", configs[name], 0, UNIQUE)["unique"] for name in orders[i % 2]}
+                    for i in range(ROUNDS)]
         slow = {"recompute": engine("slow disk, kvtier off", "slow", None)}
         for policy in ("auto", "always"):
             config = {"cpu_bytes_to_use": 16 * BLOCK_NBYTES, "load_policy": policy, "secondary_tiers": [every]}
