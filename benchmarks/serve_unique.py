@@ -16,10 +16,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvtier.bench.vllm_engine import BLOCK_NBYTES
+from kvtier.integrations.vllm.tiny_model import ENGINE_BLOCKS
 from kvtier.rollout.server import Server, embedded_command, free_port
 
-BLOCK_NBYTES = 2 * 128 * 2048  # a 256-token kvtier block of the tiny model
-ENGINE_BLOCKS = 48
 PROMPTS, PROMPT_TOKENS = 150, 2048
 
 
