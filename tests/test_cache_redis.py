@@ -442,12 +442,12 @@ def test_a_staged_fetch_after_the_callers_own_prefix_is_served_and_then_retires(
     keys = chain((0, 1, 2))
     plan = d.plan_load(keys[1:], shared_end=2, parent=keys[0])
     assert plan.sources == ["redis"] * 2 and d.orphans() == 0
-    assert d._retiring[keys[1]].parent == keys[0], "in the drop cascade, under its real parent"
+    assert d.retiring()[keys[1]].parent == keys[0], "in the drop cascade, under its real parent"
     for c in plan.chains:
         for s in c:
             d.complete(s, Status.OK)
     d.finish_load(plan)
-    assert len(d) == 0 and not d._retiring and d.tier["host"].used_blocks == 0 and d.orphans() == 0
+    assert len(d) == 0 and not d.retiring() and d.tier["host"].used_blocks == 0 and d.orphans() == 0
 
 
 def test_store_writes_through_parents_first_and_holds_the_slots() -> None:

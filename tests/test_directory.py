@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvtier.admission import AdmissionRule
-from kvtier.directory import CALLER, Directory, Op, Plan, State, Status, Step, TierSpec
+from kvtier.directory import CALLER, CopyState, Directory, Op, Plan, Status, Step, TierSpec
 from kvtier.sim.replay import complete_instantly
 from kvtier.stores.base import TierKind
 
@@ -99,8 +99,8 @@ class Bytes:
 
 def all_blocks(directory: Directory):
     """Blocks in the directory and blocks dropped with a transfer still in flight (they still hold slots)."""
-    yield from directory._blocks.values()
-    yield from directory._retiring.values()
+    yield from directory.blocks().values()
+    yield from directory.retiring().values()
 
 
 class DirectoryMachine(RuleBasedStateMachine):
@@ -217,7 +217,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                 assert step.op is Op.DELETE
                 self._execute(step, 0)
                 self.d.complete(step, Status.OK)
-        self.adopted = {(k, name) for k, b in self.d._blocks.items() for name in b.copies}
+        self.adopted = {(k, name) for k, b in self.d.blocks().items() for name in b.copies}
         self.check_quiet()
 
     def fresh_directory(self) -> Directory:
@@ -322,8 +322,8 @@ class DirectoryMachine(RuleBasedStateMachine):
     def announced_is_what_is_readable(self) -> None:
         """Every READY copy of a live block was announced once (or adopted at a restart: not announced), and
         nothing else is announced."""
-        ready = {(k, name) for k, b in self.d._blocks.items() for name, c in b.copies.items()
-                 if c.state is State.READY}
+        ready = {(k, name) for k, b in self.d.blocks().items() for name, c in b.copies.items()
+                 if c.state is CopyState.READY}
         assert self.announced <= ready, self.announced - ready
         assert ready <= self.announced | self.adopted, ready - self.announced - self.adopted
 
@@ -363,7 +363,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         for name in self.bytes.files:
             copies = sum(1 for b in all_blocks(self.d) if name in b.copies)
             # files a failed delete left count for good, once a lost copy's count went to them (`_owed`)
-            left = self.d.stats.failed_deletes[name] - self.d._owed[name]
+            left = self.d.stats.failed_deletes[name] - self.d.owed(name)
             assert self.d.tier[name].used_blocks == copies + pending_deletes[name] + left, name
         for tier in self.d.tiers:  # the policy orders exactly the tier's live copies
             live = self.d.keys_in(tier.name)
@@ -388,15 +388,15 @@ class DirectoryMachine(RuleBasedStateMachine):
     @invariant()
     def no_orphans(self) -> None:
         assert self.d.orphans() == 0
-        for b in self.d._blocks.values():
+        for b in self.d.blocks().values():
             assert b.parent is None or b.parent in self.d, f"{b.key!r} is in the directory, its parent is not"
-        assert not set(self.d._blocks) & set(self.d._retiring), "a key is both live and retiring"
+        assert not set(self.d.blocks()) & set(self.d.retiring()), "a key is both live and retiring"
 
     @invariant()
     def ready_copies_hold_their_bytes(self) -> None:
         for b in all_blocks(self.d):
             for name, copy in b.copies.items():
-                if copy.state is State.READY:
+                if copy.state is CopyState.READY:
                     assert self.bytes.holds(name, b.key, copy.slot), f"READY {name} copy of {b.key!r} has no bytes"
 
     @invariant()
@@ -406,10 +406,10 @@ class DirectoryMachine(RuleBasedStateMachine):
             found = self.d.lookup(keys)
             for k, name in zip(keys, found):
                 assert k in self.d, f"lookup returned dropped block {k!r}"
-                assert self.d.residency(k)[name] is State.READY, f"lookup counts a {name} copy still writing"
+                assert self.d.residency(k)[name] is CopyState.READY, f"lookup counts a {name} copy still writing"
             if len(found) < len(keys):  # the prefix stops where nothing READY is left
                 nxt = self.d.residency(keys[len(found)])
-                assert State.READY not in nxt.values()
+                assert CopyState.READY not in nxt.values()
 
     def _live_steps(self):
         """Steps in flight that will really run (not those the mover will skip after a failed step)."""
@@ -422,15 +422,16 @@ class DirectoryMachine(RuleBasedStateMachine):
     def check_quiet(self) -> None:
         """Nothing in flight: nothing pinned or held, accounting exact, the bytes are exactly the directory's."""
         assert not self.d.pinned()
-        assert not self.d._retiring, "a dropped block never retired"
-        for b in self.d._blocks.values():
+        assert not self.d.retiring(), "a dropped block never retired"
+        for b in self.d.blocks().values():
             assert b.copies, f"{b.key!r} is in no tier"
             for name, copy in b.copies.items():
-                assert copy.state is State.READY and copy.readers == 0, (b.key, name, copy)
+                assert copy.state is CopyState.READY and copy.readers == 0, (b.key, name, copy)
         for name, files in self.bytes.files.items():
             known = set(self.d.keys_in(name)) | self.bytes.left[name]
             assert files == known, f"{name}: files and directory disagree (orphaned bytes?)"
-        assert not +self.d._owed, "every write a failed delete stopped has completed, and handed its count over"
+        assert not any(self.d.owed(t.name) for t in self.d.tiers), (
+            "every write a failed delete stopped has completed, and handed its count over")
         for tier in self.d.tiers:
             left = self.d.stats.failed_deletes[tier.name]
             assert tier.used_blocks - left == len(self.d.keys_in(tier.name)) == len(tier.policy), tier.name
@@ -506,7 +507,7 @@ def test_a_late_delete_never_undoes_a_newer_write_of_the_same_key() -> None:
     done(d, d.plan_store([b"k"], parent=b"p", priority=80))
     d.finish_load(done(d, d.plan_load([b"p"])))
     done(d, d.plan_store([b"y"], priority=80))  # k goes to disk
-    assert d.residency(b"k") == {"disk": State.READY}
+    assert d.residency(b"k") == {"disk": CopyState.READY}
     d.finish_load(done(d, d.plan_load([b"y"])))
     for steps in d.plan_store([b"z"], priority=80).chains:  # p is evicted and dropped, and k with it
         for step in steps:
@@ -563,16 +564,16 @@ def test_unstaged_loads_read_disk_straight_and_their_next_store_promotes_what_th
     d = Directory([TierSpec("host", 2, 1, kind=TierKind.HOST), TierSpec("disk", 8, 1)], stage_loads=False)
     for k in (b"a", b"b", b"c"):
         done(d, d.plan_store([k]))  # the host holds 2: a is demoted to disk
-    assert d.residency(b"a") == {"disk": State.READY}
+    assert d.residency(b"a") == {"disk": CopyState.READY}
     plan = d.plan_store([b"a"])  # stored again without being read: nothing to promote
-    assert not plan.chains and d.residency(b"a") == {"disk": State.READY}
+    assert not plan.chains and d.residency(b"a") == {"disk": CopyState.READY}
     load = done(d, d.plan_load([b"a"]))
     assert [[(s.op, s.src, s.dst) for s in c] for c in load.chains] == [[(Op.GET, "disk", CALLER)]]
-    assert d.residency(b"a") == {"disk": State.READY}  # no host slot taken on the request's path
+    assert d.residency(b"a") == {"disk": CopyState.READY}  # no host slot taken on the request's path
     d.finish_load(load)
     plan = done(d, d.plan_store([b"a"]))  # the request's store: a PUT from the caller's bytes, after a victim left
     assert [s.op for c in plan.chains for s in c][-1] is Op.PUT
-    assert d.residency(b"a") == {"host": State.READY, "disk": State.READY} and d.lookup([b"a"]) == ["host"]
+    assert d.residency(b"a") == {"host": CopyState.READY, "disk": CopyState.READY} and d.lookup([b"a"]) == ["host"]
     assert not done(d, d.plan_store([b"a"])).chains  # promoted once
 
 
@@ -603,7 +604,7 @@ def test_a_dropped_block_remembers_its_sightings_so_the_second_one_demotes_it() 
     assert serve(d, a) == []  # a miss: the second sighting...
     for k in range(4):
         serve(d, [bytes([k]) * 5])
-    assert d.residency(a[0]) == {"disk": State.READY}  # ...demotes it when host evicts it again
+    assert d.residency(a[0]) == {"disk": CopyState.READY}  # ...demotes it when host evicts it again
     assert serve(d, a) == ["disk"]
 
 

@@ -317,7 +317,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         """Once every transfer is done: no pin, no held engine block, every host slot free or holding a copy."""
         self.engine.drain()
         d = self.engine.scheduler.directory
-        assert not d.pinned() and not d._retiring
+        assert not d.pinned() and not d.retiring()
         host = d.tier["host"]
         assert host.used_blocks == len(d.keys_in("host")) == host.capacity_blocks - len(host.free_slots)
         assert sorted(self.engine.free) == list(range(32)) and not self.engine.held, "an engine block leaked"

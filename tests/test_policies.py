@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvtier.admission import AdmissionRule
-from kvtier.directory import Directory, State, TierSpec
+from kvtier.directory import CopyState, Directory, TierSpec
 from kvtier.policies import ARCPolicy, LRUPolicy, PriorityPolicy, S3FIFOPolicy
 from kvtier.policies.base import EvictionPolicy
 from kvtier.sim.replay import complete_instantly, replay
@@ -208,8 +208,8 @@ def test_dropping_a_root_from_the_last_tier_drops_its_descendants_in_every_tier(
     settle(d, d.plan_store([c2], parent=c1))  # x -> disk
     settle(d, d.plan_store([b"y"]))  # c1 -> disk, which drops the leaf x
     settle(d, d.plan_store([c2], parent=c1))  # c2 is used again: y is now the oldest in host
-    assert d.residency(r) == {"disk": State.READY} and d.residency(c1) == {"disk": State.READY}
-    assert d.residency(c2) == {"host": State.READY}
+    assert d.residency(r) == {"disk": CopyState.READY} and d.residency(c1) == {"disk": CopyState.READY}
+    assert d.residency(c2) == {"host": CopyState.READY}
     settle(d, d.plan_store([b"z"]))  # y -> disk, where only r and c1 are: no leaf left, so r goes
     for k in (r, c1, c2):
         assert k not in d and d.residency(k) == {}

@@ -15,7 +15,7 @@ import torch
 from kvtier.admission import AdmissionRule
 from kvtier.cache import TieredCache
 from kvtier.config import ConfigError, parse_config
-from kvtier.directory import Directory, Op, State, Status, TierSpec
+from kvtier.directory import CopyState, Directory, Op, Status, TierSpec
 from kvtier.integrations.vllm.messages import KVTierWorkerMetadata
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.setup import Geometry
@@ -160,9 +160,9 @@ def test_an_exception_in_a_mover_thread_fails_its_step_and_leaks_nothing(tmp_pat
             cache.store([b"k%d" % i], [block])
             cache.flush()
         d = cache.directory
-        assert not d._retiring and not d.pinned()
-        for key in list(d._blocks):  # every copy is READY: nothing is stuck WRITING, no slot held for it
-            assert set(d.residency(key).values()) == {State.READY}, key
+        assert not d.retiring() and not d.pinned()
+        for key in list(d.blocks()):  # every copy is READY: nothing is stuck WRITING, no slot held for it
+            assert set(d.residency(key).values()) == {CopyState.READY}, key
         assert d.tier["host"].used_blocks == len(d.keys_in("host")) == 2
         assert b"k0" not in d  # its demotion failed: the block is gone, not half-written
         got = cache.load([b"k7"])
@@ -402,7 +402,7 @@ def test_blocks_fetched_after_a_local_hit_are_served_and_never_kept_as_orphans(r
     d = s.directory
     load = s.build_connector_meta(STEP).loads[0]
     assert [(st.src, st.dst) for c in load.chains for st in c] == [("redis", "caller")] * 2
-    assert keys[1] not in d and keys[2] not in d and not d._retiring and d.orphans() == 0
+    assert keys[1] not in d and keys[2] not in d and not d.retiring() and d.orphans() == 0
     s.update_connector_output(KVTierWorkerMetadata({st.id: (Status.OK, 1) for c in load.chains for st in c}), {"R"})
     assert not d.pinned() and d.tier["host"].used_blocks == 0
 

@@ -37,7 +37,7 @@ def lookup_case(
         built()
         if len(directory) != n_blocks or any(len(directory.lookup(k)) != len(k) for k in prompts.values()):
             raise RuntimeError("lookup bench: the directory does not hold the prompt's whole chain")
-        table = directory._blocks  # the baseline: dict.get over the same keys in the same dict
+        table = dict(directory.blocks())  # the baseline: dict.get over the same keys in a dict of the same blocks
 
         def per_call(fn: Callable[[list[bytes]], object], keys: list[bytes]) -> float:
             rounds = max(1, math.ceil(65536 / len(keys)))

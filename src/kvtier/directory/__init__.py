@@ -1,13 +1,18 @@
 """The directory: which block lives in which tier, in which state, and what to move (the metadata plane).
 
-`plan` holds what travels to the mover (steps, plans, statuses); `state` what the directory knows (blocks,
-copies, tiers); `table` the rules that keep it consistent (room, eviction, demotion, the drop cascade);
-`shared` the shared tier's part of the plans; `directory` the planner the drivers call.
+`directory` is the facade the drivers call. Behind it: `plan` (what travels to the mover: steps, plans,
+statuses), `blocks` and `tiers` (what is known), `table` (blocks, chain links, the drop cascade), `room`
+(eviction, demotion, copies into a tier), `ledger` (what each step in flight must settle), `loading` and
+`storing` (the planners), `shared` (the shared tier's part of the plans), `adopt` (a restart), and the
+bounded memories `recency` and `sightings`.
 """
 
+from kvtier.directory.blocks import Block, Copy, CopyState
 from kvtier.directory.directory import Directory, TierUsage
 from kvtier.directory.plan import CALLER, Op, Plan, Status, Step
-from kvtier.directory.state import NoRoom, SharedSpec, State, Tier, TierSpec
+from kvtier.directory.room import NoRoom
+from kvtier.directory.stats import DirectoryStats
+from kvtier.directory.tiers import SharedSpec, Tier, TierSpec
 
-__all__ = ["CALLER", "Directory", "NoRoom", "Op", "Plan", "SharedSpec", "State", "Status", "Step", "Tier",
-           "TierSpec", "TierUsage"]
+__all__ = ["CALLER", "Block", "Copy", "CopyState", "Directory", "DirectoryStats", "NoRoom", "Op", "Plan",
+           "SharedSpec", "Status", "Step", "Tier", "TierSpec", "TierUsage"]

@@ -3,10 +3,10 @@
 Other engines add and remove the shared tier's blocks, so the directory owns neither its contents nor its
 bytes (its store keeps both, for all engines). It only plans moves through it:
 
-- write-through from the first tier (`_offer_shared`, called by `plan_store`): a COPY first->shared step for
+- write-through from the first tier (`offer`, called by the store planner): a COPY first->shared step for
   each block of the chain with a first-tier copy, parents first, until the shared tier's admission says no.
   The step pins its block until it completes, so that its first-tier bytes stay put while they are sent.
-- fetches (`_plan_fetch`, called by `plan_load` with `shared_end`: the caller asked the store which blocks
+- fetches (`fetch`, called by the load planner with `shared_end`: the caller asked the store which blocks
   after the local prefix it holds). Staged, a fetched block enters the directory like a promoted one (a
   WRITING first-tier copy, pinned, then a GET); a fetch that fails or finds the value gone, corrupt or
   foreign completes not OK, and the block leaves with its descendants: a miss. With `stage_loads` off it is
@@ -16,33 +16,35 @@ bytes (its store keeps both, for all engines). It only plans moves through it:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 
+from kvtier.directory.blocks import Block, CopyState
 from kvtier.directory.plan import CALLER, Op, Plan, Step
-from kvtier.directory.state import Block, SharedSpec, State, TierSpec
-from kvtier.directory.table import BlockTable
+from kvtier.directory.room import Room
+from kvtier.directory.stats import DirectoryStats
+from kvtier.directory.tiers import SharedSpec
 from kvtier.policies.base import DEFAULT_PRIORITY
 
 
-class SharedTierPlans(BlockTable):
-    stage_loads = True  # the directory's: fetched blocks go through a first-tier slot (or straight to the caller)
+class SharedTierPlans:
+    def __init__(self, spec: SharedSpec, room: Room, stats: DirectoryStats, clock: Callable[[], float],
+                 stage_loads: bool) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.room = room
+        self.table = room.table
+        self.ledger = room.ledger
+        self.stats = stats
+        self.clock = clock
+        self.stage_loads = stage_loads  # fetched blocks go through a first-tier slot (or straight to the caller)
 
-    def __init__(self, tiers: Sequence[TierSpec], clock: Callable[[], float] = time.monotonic,
-                 sightings_capacity: int | None = None, shared: SharedSpec | None = None) -> None:
-        super().__init__(tiers, clock, sightings_capacity)
-        self.shared = shared
-        self._sightings_count |= shared is not None and shared.admission.counts_sightings
-        self._pinning: set[int] = set()  # write-through steps in flight: each pins its block
-
-    def _offer_shared(self, block: Block, chains: list, new: bool) -> bool:
+    def offer(self, block: Block, chains: list, new: bool) -> bool:
         """Plan writing `block` through from the first tier to the shared tier; False once admission refuses
         (its descendants would be orphans there). A new block's step is appended to its own chain (`chains`
         is that chain) after its PUT; an existing block's is a chain of its own, appended to `chains`."""
-        shared, first = self.shared, self.tiers[0]
-        assert shared is not None
+        shared, first = self.spec, self.table.tiers[0]
         copy = block.copies.get(first.name)
-        if copy is None or block.retiring or (copy.state is not State.READY and not new):
+        if copy is None or block.retiring or (copy.state is not CopyState.READY and not new):
             return True  # no bytes in the first tier to send (the shared tier may hold it anyway)
         # an existing block is most likely in the shared tier already: it spends none of the byte budget
         nbytes = shared.block_bytes if new else 0
@@ -55,51 +57,47 @@ class SharedTierPlans(BlockTable):
         # until the step completes, so that no later block of the same key takes the completion for its own.
         # Its first-tier copy stays put (and its slot unused by others) as long as the pin.
         block.pins += 1
-        step = self._step(Op.COPY, block.key, first.name, shared.name, copy.slot, None, parent=block.parent,
-                          needs_prev=new)
-        self._pinning.add(step.id)
+        step = self.ledger.step(Op.COPY, block.key, first.name, shared.name, copy.slot, None, parent=block.parent,
+                                needs_prev=new)
+        self.ledger.pin(step)
         chains.append(step if new else [step])
         self.stats.planned_moves[(first.name, shared.name)] += 1
         return True
 
-    def _plan_fetch(self, plan: Plan, keys: Sequence[bytes], shared_end: int, parent: bytes | None) -> list[Block]:
+    def fetch(self, plan: Plan, keys: Sequence[bytes], shared_end: int, parent: bytes | None) -> list[Block]:
         """Extend a load past its local prefix with blocks fetched from the shared tier (module docstring).
 
         `parent` is the key before `keys[0]` (the caller's own prefix), if any. A staged block whose parent is in
         no tier of ours (the engine holds it, we do not) is served to this request but not kept: kept, it would
         be an orphan. It retires once the load is done."""
-        shared, first = self.shared, self.tiers[0]
+        table, first = self.table, self.table.tiers[0]
         fetched: list[Block] = []
-        if shared is None:
-            return fetched
         for i in range(len(plan.keys), min(shared_end, len(keys))):
             key = keys[i]
             parent = keys[i - 1] if i else parent
-            if key in self._blocks or key in self._retiring:  # here, but not readable: a transfer is on it
+            if key in table.blocks or key in table.retiring:  # here, but not readable: a transfer is on it
                 break
             if self.stage_loads:
-                room = self._room(first, key, plan)
+                room = self.room.make(first, key, plan)
                 if room is None:
                     break
                 slot, chain = room
-                block = Block(key, parent, DEFAULT_PRIORITY, seen=self._sightings.pop(key, 0) + 1, pins=1)
-                if parent is None or parent in self._blocks:
-                    self._link(block)
+                block = Block(key, parent, DEFAULT_PRIORITY, seen=table.sightings.take(key, 0) + 1, pins=1)
+                if parent is None or parent in table.blocks:
+                    table.link(block)
                 else:  # the engine's prefix, or a block making room just dropped: this request's only
-                    block.retiring = True
-                    self._retiring[key] = block
-                self._stage(block, shared.name, None, slot, chain, i, plan)
+                    table.retire(block)
+                self.room.stage(block, self.name, None, slot, chain, i, plan)
                 fetched.append(block)
             else:
-                plan.chains.append([self._step(Op.GET, key, shared.name, CALLER, index=i)])
+                plan.chains.append([self.ledger.step(Op.GET, key, self.name, CALLER, index=i)])
             plan.keys.append(key)
-            plan.sources.append(shared.name)
+            plan.sources.append(self.name)
         return fetched
 
-    def _shared_step_done(self, step: Step) -> bool:
+    def step_done(self, step: Step) -> bool:
         """True if `step` was a write-through to the shared tier (now done): its pin is released."""
-        if step.id not in self._pinning:
+        if not self.ledger.release_pin(step):
             return False
-        self._pinning.discard(step.id)
-        self._unpin([step.key])
+        self.table.unpin([step.key])
         return True

@@ -1,15 +1,7 @@
-"""What the directory knows: blocks, their copies in tiers, and each tier's accounting.
-
-A block has at most one copy per tier. A copy is WRITING until the step that fills it completes OK, then
-READY (readable); `readers` counts transfers reading it, `pins` on the block count loads that promised it.
-A block that left the directory (dropped) while a transfer still touches one of its copies is *retiring*:
-no longer found by lookups, its copies still counted until the last transfer completes.
-"""
+"""How the directory sees a tier: what was configured (`TierSpec`, `SharedSpec`) and its live accounting (`Tier`)."""
 
 from __future__ import annotations
 
-import enum
-from collections import Counter
 from dataclasses import dataclass, field
 
 from kvtier.admission import AdmissionRule
@@ -17,33 +9,9 @@ from kvtier.policies import EvictionPolicy, make_policy
 from kvtier.stores.base import TierKind
 
 
-class State(enum.Enum):
-    WRITING = "writing"
-    READY = "ready"
-
-
-@dataclass(slots=True)
-class Copy:
-    slot: int | None
-    state: State
-    readers: int = 0
-
-
-@dataclass(slots=True, eq=False)
-class Block:
-    key: bytes
-    parent: bytes | None
-    priority: int
-    copies: dict[str, Copy] = field(default_factory=dict)
-    children: set[bytes] | None = None
-    pins: int = 0
-    seen: int = 1
-    retiring: bool = False  # dropped: lookups no longer find it; its copies go once no transfer touches them
-
-
 @dataclass
 class TierSpec:
-    """How the directory sees a tier: bounded bytes, a fixed footprint per block, a policy, admission."""
+    """A local tier: bounded bytes, a fixed footprint per block, a policy, admission."""
 
     name: str
     capacity_bytes: int
@@ -82,7 +50,7 @@ class SharedSpec:
 
 
 class Tier:
-    """A tier's live accounting: bytes used (including deletes still pending), free slots, policy order."""
+    """A local tier's live accounting: blocks used (including deletes still pending), free slots, policy order."""
 
     def __init__(self, spec: TierSpec, index: int) -> None:
         self.spec = spec
@@ -106,19 +74,3 @@ class Tier:
     @property
     def full(self) -> bool:
         return self.used_blocks >= self.capacity_blocks
-
-
-@dataclass
-class DirectoryStats:
-    """Plain counters: cheap on the hot path, exported to Prometheus at scrape time by `kvtier.metrics`."""
-
-    lookup_blocks: Counter = field(default_factory=Counter)  # source tier or "miss"
-    evictions: Counter = field(default_factory=Counter)  # (tier, reason)
-    admission_rejects: Counter = field(default_factory=Counter)  # (tier, reason)
-    stores_dropped: Counter = field(default_factory=Counter)  # reason
-    planned_moves: Counter = field(default_factory=Counter)  # (src, dst)
-    failed_deletes: Counter = field(default_factory=Counter)  # tier: files that may be left, still counted
-
-
-class NoRoom(Exception):
-    """Every block that could make room is pinned or in flight."""

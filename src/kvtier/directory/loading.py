@@ -1,0 +1,78 @@
+"""Planning a load: pin the readable prefix and plan its way to the caller.
+
+A block in the first tier is read from there. A block only a slower tier holds is staged through a new
+first-tier slot (a promotion), or, with `stage_loads` off, read straight into the caller and remembered, so
+that the request's store gives it a first-tier copy off the request's path (the vLLM connector loads this
+way). After the local prefix, the shared tier's blocks are fetched (`SharedTierPlans.fetch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+
+from kvtier.directory.blocks import Block
+from kvtier.directory.plan import CALLER, Op, Plan
+from kvtier.directory.recency import Recency
+from kvtier.directory.room import Room
+from kvtier.directory.shared import SharedTierPlans
+
+
+class LoadPlanner:
+    def __init__(self, room: Room, shared: SharedTierPlans | None, read_below: Recency[bytes, None],
+                 stage_loads: bool) -> None:
+        self.room = room
+        self.table = room.table
+        self.ledger = room.ledger
+        self.shared = shared
+        self.read_below = read_below  # read from a slower tier, not yet promoted
+        self.stage_loads = stage_loads
+
+    def plan(self, keys: Sequence[bytes], shared_end: int = 0, parent: bytes | None = None,
+             skip: AbstractSet[str] = frozenset()) -> Plan:
+        """See `Directory.plan_load`."""
+        table = self.table
+        sources = table.lookup(keys, skip)
+        first = table.tiers[0]
+        plan = Plan(chains=[], keys=list(keys[: len(sources)]), sources=sources)
+        for key in plan.keys:
+            table.blocks[key].pins += 1
+        promoted: list[Block] = []
+        whole = True  # the local prefix is planned to its end: fetches may follow it
+        for i, (key, source) in enumerate(zip(plan.keys, sources)):
+            block = table.blocks[key]
+            block.seen += 1
+            below = source != first.name
+            if below:
+                table.tier[source].spec.admission.came_back()
+            if not below or not self.stage_loads:  # pinned: its copy there stays until the GET is done
+                plan.chains.append([self.ledger.step(Op.GET, key, source, CALLER,
+                                                     src_slot=block.copies[source].slot, index=i)])
+                if below:
+                    self.read_below.set(key, None)
+                continue
+            # another load is staging it (its slot is taken, its bytes not there yet), or there is no room
+            room = None if first.name in block.copies else self.room.make(first, key, plan)
+            if room is None:
+                table.unpin(plan.keys[i:])
+                del plan.keys[i:], plan.sources[i:]
+                whole = False
+                break
+            slot, chain = room
+            self.room.stage(block, source, block.copies[source].slot, slot, chain, i, plan)
+            promoted.append(block)
+        shared = self.shared
+        fetched = shared.fetch(plan, keys, shared_end, parent) if whole and shared and shared.name not in skip else []
+        # Making room may have evicted an ancestor the load does not pin (the engine's own hit), dropping blocks
+        # of this load with it: they are still served to this request (pinned), but retire after it and never
+        # enter a policy. Fetched blocks go in leaf first: ancestors end up more recent than descendants.
+        for block in [*promoted, *reversed(fetched)]:
+            if not block.retiring:
+                first.policy.insert(block.key, block.priority)
+        table.touch_chain([table.blocks[k] for k in plan.keys if k in table.blocks])
+        return plan
+
+    def finish(self, plan: Plan) -> None:
+        """See `Directory.finish_load`."""
+        unstaged = self.shared.name if self.shared is not None and not self.stage_loads else None
+        self.table.unpin([key for key, source in zip(plan.keys, plan.sources) if source != unstaged])

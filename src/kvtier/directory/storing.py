@@ -1,0 +1,144 @@
+"""Planning a store: new blocks of one chain into the first tier, written through where configured.
+
+The chain stops at the first block that is not admitted or finds no room: storing its descendants would
+create orphans. Blocks already present are touched; one a load read straight from a slower tier is given a
+first-tier copy from the caller's bytes (a promotion off the request's path). With a shared tier, every
+block of the chain that has a first-tier copy is offered to it, parents first, until its admission refuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtier.directory.blocks import Block, CopyState
+from kvtier.directory.plan import Plan
+from kvtier.directory.recency import Recency
+from kvtier.directory.room import Room
+from kvtier.directory.shared import SharedTierPlans
+from kvtier.directory.stats import DirectoryStats
+from kvtier.directory.tiers import Tier
+from kvtier.policies.base import DEFAULT_PRIORITY
+
+
+class StorePlanner:
+    def __init__(self, room: Room, shared: SharedTierPlans | None, read_below: Recency[bytes, None],
+                 stats: DirectoryStats) -> None:
+        self.room = room
+        self.table = room.table
+        self.shared = shared
+        self.read_below = read_below
+        self.stats = stats
+
+    def plan(self, keys: Sequence[bytes], parent: bytes | None = None, priority: int = DEFAULT_PRIORITY) -> Plan:
+        """See `Directory.plan_store`."""
+        table, room, disabled = self.table, self.room, self.room.disabled
+        first = table.tiers[0]
+        plan = Plan(chains=[])
+        if first.name in disabled:
+            self.stats.stores_dropped["tier_off"] += sum(1 for key in keys if key not in table.blocks)
+            return plan
+        shared = self.shared if self.shared is not None and self.shared.name not in disabled else None
+        through = [t for t in table.tiers[1:] if t.spec.write_through and t.name not in disabled]
+        chain_blocks: list[Block] = []
+        new: set[bytes] = set()
+        promoted: set[bytes] = set()  # blocks only slower tiers held, now given a first-tier copy too
+        held: list[bytes] = []  # the chain's existing blocks stay put while we make room for the new ones
+        if parent is not None and (parent_block := table.blocks.get(parent)) is not None:
+            held.append(parent)
+            parent_block.pins += 1
+        parent_key = parent
+        for i, key in enumerate(keys):
+            block = table.blocks.get(key)
+            if block is not None:
+                block.seen += 1
+                chain_blocks.append(block)
+                held.append(key)
+                block.pins += 1
+                parent_key = key
+                if key in self.read_below and self._promote(block, i, plan):
+                    promoted.add(key)
+                if shared is not None and not shared.offer(block, plan.chains, new=False):
+                    shared = None  # write-through stops where the shared tier's admission says no
+                continue
+            reason = self._refusal(key, parent_key, priority, first)
+            if reason is not None:
+                self.stats.stores_dropped[reason] += len(keys) - i
+                for later in keys[i + 1 :]:  # seen too: with "store on the second sighting", the next request
+                    if later not in table.blocks:  # stores the whole chain, not one more block
+                        table.sightings.sight(later)
+                break
+            made = room.make(first, key, plan, dropped=len(keys) - i)
+            if made is None:
+                break
+            slot, chain = made
+            if parent_key is not None and parent_key not in table.blocks:  # making room dropped the parent
+                room.give_back(first, slot, chain, plan)
+                self.stats.stores_dropped["orphan"] += len(keys) - i
+                break
+            block = Block(key, parent_key, priority, seen=table.sightings.take(key, 1))
+            table.link(block)
+            room.put(block, slot, chain, i)
+            for tier in through:
+                room.copy_down(block, first, tier, chain, needs_prev=True)
+            if shared is not None and not shared.offer(block, chain, new=True):
+                shared = None
+            plan.chains.append(chain)
+            chain_blocks.append(block)
+            new.add(key)
+            parent_key = key
+        table.unpin(held)
+        self._order_stored(chain_blocks, new, promoted)
+        return plan
+
+    def _promote(self, block: Block, index: int, plan: Plan) -> bool:
+        """A first-tier copy of a block a load read from a slower tier, PUT from the caller's bytes (its
+        `index`-th block), if room can be made without dropping a store. Only a block at rest in slower tiers:
+        while one of its copies is being written, a step of the chain that writes it may still count on the
+        first-tier copy it had (a failed PUT's write-through)."""
+        self.read_below.pop(block.key, None)
+        first = self.table.tiers[0]
+        if first.name in block.copies or any(c.state is not CopyState.READY for c in block.copies.values()):
+            return False
+        made = self.room.make(first, block.key, plan, dropped=0)
+        if made is None:
+            return False
+        slot, chain = made
+        if self.table.blocks.get(block.key) is not block:  # making room dropped an ancestor, and this block too
+            self.room.give_back(first, slot, chain, plan)
+            return False
+        self.room.put(block, slot, chain, index)
+        plan.chains.append(chain)
+        return True
+
+    def _order_stored(self, blocks: Sequence[Block], new: set[bytes], promoted: set[bytes]) -> None:
+        """Insert a stored chain's new copies into their tiers' policies (every copy of a new block, the first-tier
+        copy of a promoted one), touch the others; leaf first, so that ancestors end up more recent than
+        descendants."""
+        table = self.table
+        first = table.tiers[0].name
+        for block in reversed(blocks):
+            if table.blocks.get(block.key) is not block:  # dropped while planning (retiring until its steps end)
+                continue
+            for name, copy in block.copies.items():
+                policy = table.tier[name].policy
+                if block.key in new or (name == first and block.key in promoted):
+                    policy.insert(block.key, block.priority)
+                elif copy.state is CopyState.READY and block.key in policy:
+                    policy.touch(block.key)
+
+    def _refusal(self, key: bytes, parent_key: bytes | None, priority: int, first: Tier) -> str | None:
+        """Why a new block is not stored (None: it is)."""
+        table = self.table
+        if key in table.retiring:
+            return "retiring"
+        if parent_key is not None and parent_key not in table.blocks:
+            return "orphan"
+        seen = table.sightings.sight(key)
+        if seen > 1:  # reuse that no tier held
+            for tier in table.tiers[1:]:
+                tier.spec.admission.came_back()
+        reason = first.spec.admission.reject_reason(priority, seen, first.spec.block_bytes, self.room.clock())
+        if reason is not None:
+            self.stats.admission_rejects[(first.name, reason)] += 1
+            return "admission"
+        return None
