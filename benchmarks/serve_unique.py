@@ -1,6 +1,6 @@
 """Unique prompts through `vllm serve`: p99 TTFT with a disk tier against kvtier off (benchmarks/README.md,
-seventeenth session). Each round starts one fresh server per configuration (the rollout's embedded command), in
-the reverse order every other round, and drives it with `vllm bench serve` one request at a time.
+docs/findings/disk-admission.md). Each round starts one fresh server per configuration (the rollout's embedded
+command), in the reverse order every other round, and drives it with `vllm bench serve` one request at a time.
 
     .venv/bin/python benchmarks/serve_unique.py --rounds 4      # about 4 minutes a round on 2 cores
 """
