@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvtier.config import KVTierConfig
+from kvtier.control import Control
 from kvtier.directory import Directory, Op, Status, Step
-from kvtier.guard import Guard, request_source
 from kvtier.keys import Namespace
 from kvtier.metrics import Metrics
 from kvtier.mover.copy import ready_event
@@ -83,7 +83,8 @@ class TieredCache:
         self.clock = clock
         self.directory = Directory(specs, clock=clock, shared=shared_spec(config, self.payload_nbytes),
                                    stage_loads=stage_loads)
-        self.guard = Guard(config.guard, self.directory.names, start=clock()) if config.guard is not None else None
+        self.control = Control(self.directory, config, self.payload_nbytes, start=clock())
+        self.guard = self.control.guard
         self._requests: OrderedDict[str, str] = OrderedDict()  # loaded for, not yet reported: id -> source
         self.metrics = Metrics(self.directory, config.block_size, guard=self.guard, lock=self._lock,
                                shared=self.stores.shared)
@@ -109,7 +110,7 @@ class TieredCache:
             self.metrics.count("stores_dropped", "queue_full", len(keys))
             return 0
         with self._lock:
-            self._tick()
+            self.control.tick(self.clock())
             plan = self.directory.plan_store(keys, parent=parent, priority=priority)
         if not plan.chains:
             self.mover.release_store()
@@ -122,7 +123,7 @@ class TieredCache:
         after the local prefix: one round trip). No side effects."""
         _check_keys("lookup", keys)
         with self._lock:
-            skip = self.guard.off() if self.guard is not None else frozenset()
+            skip = self.control.off()
             local = len(self.directory.lookup(keys, skip))
         return local + self._lookup_shared(keys, local, skip)
 
@@ -163,7 +164,7 @@ class TieredCache:
             plan = self.directory.plan_load(keys, shared_end=shared_end, skip=skip)
             self.directory.record_lookup(plan.sources, len(keys))
             if request is not None and self.guard is not None:
-                self._requests[request] = request_source(plan.sources, self.directory.names, False)
+                self._requests[request] = self.control.source_of(plan.sources, engine_hit=False)
         if out is None:
             out = [torch.empty(self.block_shape, dtype=self.dtype, device=device or "cpu") for _ in plan.keys]
         try:
@@ -182,9 +183,8 @@ class TieredCache:
         if self.guard is None:
             return
         with self._lock:
-            source = self._requests.pop(request, request_source((), self.directory.names, False))
-            self.guard.observe(source, self.clock(), ttft_s=ttft_s, itl_s=itl_s)
-            self._tick()
+            source = self._requests.pop(request, self.control.source_of((), engine_hit=False))
+            self.control.observe(source, self.clock(), ttft_s=ttft_s, itl_s=itl_s)
 
     def flush(self) -> None:
         """Wait for every store and delete in flight."""
@@ -210,17 +210,12 @@ class TieredCache:
         if self.guard is None:
             return frozenset()
         if request is None:
-            self.guard.tick(self.clock())
-            return self.guard.off()
-        skip = self.guard.route(self.clock())
+            self.control.tick(self.clock())
+            return self.control.off()
+        skip = self.control.route(self.clock())
         while len(self._requests) >= MAX_UNREPORTED:  # requests never reported: forget the oldest
             self._requests.popitem(last=False)
         return skip
-
-    def _tick(self) -> None:
-        if self.guard is not None:
-            self.guard.tick(self.clock())
-            self.directory.disabled = self.guard.off()
 
     def _check(self, block: torch.Tensor) -> None:
         if tuple(block.shape) != self.block_shape or block.dtype != self.dtype:

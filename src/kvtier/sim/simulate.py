@@ -31,9 +31,10 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.config import GuardConfig
+from kvtier.control import Control
 from kvtier.decide import Decider
 from kvtier.directory import CALLER, Directory
-from kvtier.guard import Guard, State, Transition, request_source
+from kvtier.guard import State, Transition, request_source
 from kvtier.policies.base import DEFAULT_PRIORITY
 from kvtier.sim.configs import SimConfig
 from kvtier.sim.cost import CostModel
@@ -175,15 +176,13 @@ def _run(
 ) -> SimResult:
     now = [0.0]
     config = sim_config.validated(scratch)
-    directory = decider = guard = None
+    directory = control = None
     tier_order: list[str] = []
     if config is not None:
         directory = Directory(tier_specs(config, dep.block_bytes), clock=lambda: now[0], stage_loads=False)
         tier_order = directory.names
-        decider = Decider(config.load_policy, config.max_load_tokens, config.prefill_tokens_per_s, dep.block_bytes)
-        guard_config = guard_config or config.guard
-        if guard_config is not None:
-            guard = Guard(guard_config, tier_order, start=requests[0].timestamp if requests else 0.0, keep=None)
+        control = Control(directory, config, dep.block_bytes, start=requests[0].timestamp if requests else 0.0,
+                          guard=guard_config, keep=None)
     sources_of: list[str] = [ENGINE] * len(requests)
     engine = EngineCache(dep.engine_blocks)
     cost, block_bytes = dep.cost, dep.block_bytes
@@ -200,13 +199,11 @@ def _run(
             full = _full_blocks(requests[i])
             if kind == 0:
                 engine.insert(requests[i].blocks[:full])
-                if guard is not None:
-                    guard.observe(sources_of[i], when, ttft_s=ttft[i])
+                if control is not None:
+                    control.observe(sources_of[i], when, ttft_s=ttft[i])
                 continue
-            if guard is not None and directory is not None:
-                if requests[i].output_tokens > 1:
-                    guard.observe(sources_of[i], when, itl_s=[cost.itl_s])
-                directory.disabled = guard.off()
+            if control is not None and requests[i].output_tokens > 1:
+                control.observe(sources_of[i], when, itl_s=[cost.itl_s])
             if directory is not None and full:
                 complete_instantly(directory, directory.plan_store(keys[i][:full], priority=_priority(requests[i])))
 
@@ -218,10 +215,9 @@ def _run(
         blocks, bt = request.blocks, request.block_tokens
         in_engine = engine.hit_prefix(blocks)
         sources: list[str] = [ENGINE] * in_engine
-        if directory is not None and decider is not None and in_engine < len(blocks):
-            skip = guard.route(start) if guard is not None else frozenset()
-            if guard is not None:
-                directory.disabled = guard.off()
+        if directory is not None and control is not None and in_engine < len(blocks):
+            skip = control.route(start)
+            decider = control.decider
             found = directory.lookup(keys[i][in_engine:], skip)
             tokens = [min(bt, request.input_tokens - j * bt) for j in range(in_engine, in_engine + len(found))]
             _queue(decider, directory, cost, links, start)
@@ -235,9 +231,9 @@ def _run(
         cached_tokens = max(0, min(len(sources) * bt, request.input_tokens - 1))  # the last token is computed
         prefill = cost.prefill_seconds(request.input_tokens - cached_tokens, cached_tokens)
         done = loaded_at + prefill
-        if decider is not None:
-            _measured(decider, sources[in_engine:], tier_order, block_bytes, loaded_at - start, start)
-            decider.prefill.add(request.input_tokens - cached_tokens, prefill)
+        if control is not None:
+            _measured(control.decider, sources[in_engine:], tier_order, block_bytes, loaded_at - start, start)
+            control.decider.prefill.add(request.input_tokens - cached_tokens, prefill)
         sources_of[i] = request_source(sources, tier_order, in_engine > 0)
         heapq.heappush(servers, done)
         ttft[i] = done - request.timestamp
@@ -250,11 +246,10 @@ def _run(
     apply_events(math.inf)
     result.ttft_s = ttft
     result.end_s = now[0]
-    if guard is not None:
-        guard.tick(now[0])
-        result.guard = list(guard.history)
-    if decider is not None:
-        result.load_decisions = decider.decisions
+    if control is not None:
+        control.tick(now[0])
+        result.guard = list(control.guard.history) if control.guard is not None else []
+        result.load_decisions = control.decider.decisions
     if directory is not None:
         stats = directory.stats
         for (src, dst), n in stats.planned_moves.items():
