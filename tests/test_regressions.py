@@ -301,7 +301,7 @@ def test_two_engines_on_one_root_dir_cannot_exceed_its_bound(tmp_path):
 
 
 def test_an_overridden_hit_leaves_no_promise_behind(tmp_path):
-    """exp13 (b): when vLLM overrode a hit (num_external_tokens 0), the promise stayed in `_lookups` forever."""
+    """exp13 (b): when vLLM overrode a hit (num_external_tokens 0), the promise stayed behind forever."""
     engine = Engine(parse_config({"cpu_bytes_to_use": 4 * P, "block_size": 16, "engine_block_size": 16}))
     try:
         engine.scheduler.request_finished(request("r0", [b"\x02" * 32], computed=16), [0])
@@ -309,8 +309,9 @@ def test_an_overridden_hit_leaves_no_promise_behind(tmp_path):
         q = request("q2", [b"\x02" * 32, b"\x09" * 32])
         assert engine.scheduler.get_num_new_matched_tokens(q, 0)[0] == 16
         engine.scheduler.update_state_after_alloc(q, engine_blocks([]), 0)
+        assert not engine.scheduler.promised(q.request_id)
         engine.scheduler.request_finished(q, [])
-        assert not engine.scheduler._lookups
+        assert not engine.scheduler.requests_known()
     finally:
         engine.close()
 

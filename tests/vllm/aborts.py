@@ -66,7 +66,7 @@ def main() -> None:
     idle()
     again = drive({"A": (2048, 4)})["A"]
     idle()
-    connector = scheduler.connector._scheduler
+    connector = scheduler.connector.scheduler_side
     print(json.dumps({
         "finished": sorted(first),
         "preempted": sorted(set(preempted)),

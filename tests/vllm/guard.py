@@ -40,13 +40,14 @@ def main() -> None:
     delay_file = Path(tempfile.mkdtemp(prefix="kvtier-delay-")) / "delay"
     install(delay_file)
     llm = start_engine(sys.argv[1], json.loads(sys.argv[2]))
-    control = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler.control
+    side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
+    control = side.control
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, detokenize=False, ignore_eos=True)
     results = []
 
     def serve(name: str, phase: str) -> None:
         state = None if control.guard is None else control.guard.state("disk").value  # when it is routed
-        lookups = control.directory.stats.lookup_blocks
+        lookups = side.directory.stats.lookup_blocks
         disk_before = lookups["disk"]
         out = llm.generate([TokensPrompt(prompt_token_ids=tokens(name))], params, use_tqdm=False)[0]
         enabled = kvtier_series().get('kvtier_tier_enabled{tier="disk"}')

@@ -114,7 +114,7 @@ def main() -> None:
     if kv is not None and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
         from vllm.distributed.kv_transfer import get_kv_transfer_group  # the worker half lives in this process
 
-        figures = get_kv_transfer_group()._worker.metrics.snapshot()
+        figures = get_kv_transfer_group().worker_side.metrics.snapshot()
     print(json.dumps({"requests": results, "kvtier": figures, "prometheus": kvtier_series()}))
     if redis is not None:
         redis.stop()

@@ -52,7 +52,7 @@ class Mover:
         (vLLM's CPU backend does) would otherwise hand that pinning to our threads, which then queue behind
         its spinning OpenMP threads."""
         self.stores = stores
-        self.report = report
+        self.report = self._labelling(report)
         self.metrics = metrics
         self._cpus = cpus
         self._put, self._get = CallerToSlot(stores.host), SlotToCaller(stores.host)
@@ -61,10 +61,22 @@ class Mover:
         self._reads = self._pool(n_read_threads, "kvtier-read", background=False)
         self._writes = self._pool(n_write_threads, "kvtier-write", background=True)
         self._store_slots = threading.BoundedSemaphore(queue_depth)
-        self._shared = SharedTraffic(stores, report, metrics, self._pool, n_shared_read_threads,
+        self._shared = SharedTraffic(stores, self.report, metrics, self._pool, n_shared_read_threads,
                                      n_shared_write_threads, queue_depth)
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
+
+    def _labelling(self, report: Reporter) -> Reporter:
+        """`report`, after the host slab has recorded which block each slot a step wrote now holds."""
+        host, slab = self.stores.host_name, self.stores.host
+
+        def labelled(steps: Sequence[Step], status: Status) -> None:
+            for step in steps:
+                if step.dst == host and step.dst_slot is not None:
+                    slab.label(step.dst_slot, (step.key, step.parent) if status is Status.OK else None)
+            report(steps, status)
+
+        return labelled
 
     def _pool(self, threads: int, name: str, background: bool) -> ThreadPoolExecutor:
         """A pool whose threads run on `cpus`; background ones yield the CPU to the engine's compute threads."""

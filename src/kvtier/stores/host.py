@@ -79,6 +79,7 @@ class HostSlab:
         self._buf = torch.frombuffer(self._mmap, dtype=torch.uint8).view(num_slots, self.slot_nbytes)
         self._rows = self._buf[:, :payload_nbytes]  # strided when slots carry padding
         self._typed: tuple[tuple[torch.dtype, torch.Size], torch.Tensor] | None = None  # see `slots_as`
+        self._labels: list[tuple[bytes, bytes | None] | None] = [None] * num_slots  # see `label`
         self.pinned = False
         self._closed = False
         self._pin(torch.cuda.is_available() if pin is None else pin, explicit=pin is not None)
@@ -150,6 +151,18 @@ class HostSlab:
             self.close()
         except Exception:
             pass
+
+    # -- what the slots hold -----------------------------------------------------------------------------
+
+    def label(self, i: int, block: tuple[bytes, bytes | None] | None) -> None:
+        """Record the block (key, parent) slot i now holds, or None where its bytes are no block (a write that
+        failed). As a disk file's header names its block, so that the slab can be written out without asking
+        the directory, which may live in another process: a graceful stop's flush."""
+        self._labels[i] = block
+
+    def labelled(self) -> list[tuple[int, bytes, bytes | None]]:
+        """(slot, key, parent) of every slot a block was last written to; the slot may have been freed since."""
+        return [(i, *block) for i, block in enumerate(self._labels) if block is not None]
 
     # -- access -----------------------------------------------------------------------------------------
 

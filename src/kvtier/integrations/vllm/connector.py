@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+    from kvtier.integrations.vllm.worker import WorkerSide
+
 log = logging.getLogger(__name__)
 
 
@@ -58,8 +61,8 @@ class KVTierConnector(KVConnectorBase_V1):
         config = read_config(vllm_config)  # a bad value stops the engine here, naming the field
         geo = geometry(vllm_config, kv_cache_config, config)
         self._num_blocks = kv_cache_config.num_blocks
-        self._scheduler = None
-        self._worker = None
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             from kvtier.integrations.vllm.scheduler import SchedulerSide
 
@@ -72,6 +75,16 @@ class KVTierConnector(KVConnectorBase_V1):
             from kvtier.integrations.vllm.worker import WorkerSide
 
             self._worker = WorkerSide(config, geo, rank=get_world_group().rank_in_group)
+
+    @property
+    def scheduler_side(self) -> SchedulerSide | None:
+        """This instance's scheduler half (None in a worker): the directory, its control and its figures."""
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> WorkerSide | None:
+        """This instance's worker half (None in the scheduler): stores, mover and their metrics."""
+        return self._worker
 
     # ---------------------------------------------------------------- scheduler half
 

@@ -18,6 +18,7 @@ class LoadJob:
     request_id: str
     chains: list[list[Step]]
     targets: list[EngineBlocks]  # GET step index -> engine blocks to fill
+    sources: list[str] = field(default_factory=list)  # GET step index -> the tier its block is read from
     unavailable: list[int] = field(default_factory=list)  # engine blocks promised but not loadable: errors
     sync: bool = False  # host hits: loaded before this step's forward, which computes the rest at once
 

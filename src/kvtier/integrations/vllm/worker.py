@@ -50,16 +50,6 @@ def engine_pages(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[to
     return pages
 
 
-def _loaded_from(chain: list[Step]) -> str:
-    """The tier a load chain's block comes from: its GET's source, or what was staged there right before it (the
-    chain may start with the evictions that made room)."""
-    get = next(i for i, step in enumerate(chain) if step.op is Op.GET)
-    staged = chain[get - 1] if get else None
-    if staged is not None and staged.op is Op.COPY and staged.dst == chain[get].src and staged.key == chain[get].key:
-        return staged.src
-    return chain[get].src
-
-
 class WorkerSide:
     def __init__(self, config: KVTierConfig, geo: Geometry, rank: int) -> None:
         self.config = config
@@ -79,7 +69,6 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._deltas = Deltas()
         self._puts_left: dict[str, set[int]] = {}  # request id -> PUT steps still copying its engine blocks
-        self._host_blocks: dict[int, tuple[bytes, bytes | None]] = {}  # host slot -> the block last written there
         # vLLM's CPU backend binds its compute threads to cores; ours may run on any core of the machine
         self._cpus = set(range(os.cpu_count() or 1))
         self._loading = ThreadPoolExecutor(2, thread_name_prefix="kvtier-load",  # asynchronous loads
@@ -145,7 +134,7 @@ class WorkerSide:
             delivered = [False] * len(job.targets)
         failed = {b for t, ok in zip(job.targets, delivered) if not ok for b in t if b is not None}
         # what the decision learns tiers' speeds from: the blocks each tier delivered, and how long it took
-        tiers = Counter(_loaded_from(chain) for chain in job.chains if any(step.op is Op.GET for step in chain))
+        tiers = Counter(job.sources)
         with self._lock:  # errors before the request is reported: vLLM reads them after get_finished
             if tiers and not failed:
                 self._transfers.append((dict(tiers), time.perf_counter() - started))
@@ -159,9 +148,6 @@ class WorkerSide:
         with self._lock:
             for step in steps:
                 self._completions[step.id] = status
-                if status is Status.OK and step.dst_slot is not None and self.stores is not None \
-                        and step.dst == self.stores.host_name:
-                    self._host_blocks[step.dst_slot] = (step.key, step.parent)
                 if step.op is Op.PUT:
                     for request_id, left in list(self._puts_left.items()):
                         if step.id in left:
@@ -243,12 +229,13 @@ class WorkerSide:
         """Write every host block no disk tier file holds to the first disk tier: (written, blocks in host). A
         restart's scan finds them (beyond the tier's capacity, its policy evicts the oldest)."""
         assert self.stores is not None
+        held = self.stores.host.labelled()
         disk = next(iter(self.stores.local.values()), None)
         if disk is None:
-            return 0, len(self._host_blocks)
+            return 0, len(held)
         deadline, written = time.monotonic() + budget_s, 0
         try:
-            for slot, (key, parent) in self._host_blocks.items():
+            for slot, key, parent in held:
                 if time.monotonic() > deadline:
                     log.warning("kvtier: shutdown: flush stopped after %.1f s (shutdown_flush_s)", budget_s)
                     break
@@ -257,4 +244,4 @@ class WorkerSide:
                     written += 1
         except Exception as exc:  # a failing disk stops the flush, never the shutdown
             log.warning("kvtier: shutdown: flush stopped: %s", exc)
-        return written, len(self._host_blocks)
+        return written, len(held)

@@ -1,0 +1,84 @@
+"""Plans shipped to the workers, until every rank has reported every step: the rank quorum.
+
+A block is only whole once every rank has its shard, so a step completes in the directory once all ranks
+reported it, with the worst status any of them saw. A plan is done when its last step is.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvtier.directory import Directory, Plan, Status, Step
+from kvtier.integrations.vllm.messages import worst
+
+Kind = Literal["load", "store", "delete"]
+
+
+@dataclass
+class Pending:
+    """A shipped plan: its steps by id, and what its completion settles."""
+
+    plan: Plan
+    steps: dict[int, Step]
+    kind: Kind
+    request_id: str  # the request a load or store is for
+    queued: Counter = field(default_factory=Counter)  # a load: its bytes per tier, queued until it completes
+    reports: Counter = field(default_factory=Counter)  # step id -> ranks that reported it
+    statuses: dict[int, Status] = field(default_factory=dict)  # step id -> the worst status a rank reported
+
+
+class InFlight:
+    def __init__(self, directory: Directory, world_size: int, block_nbytes: int) -> None:
+        self.directory = directory
+        self.world_size = world_size
+        self.block_nbytes = block_nbytes
+        self.stores = 0  # store plans shipped and not done
+        self._pending: dict[int, Pending] = {}  # plan id (its first step id) -> pending plan
+        self._plan_of_step: dict[int, int] = {}
+
+    def ship(self, plan: Plan, kind: Kind, request_id: str = "") -> Pending | None:
+        """Wait for the workers to report each of the plan's steps (by the id the directory gave it). None: the
+        plan has no step (a load's pins are released at once)."""
+        steps = {step.id: step for chain in plan.chains for step in chain}
+        if not steps:
+            if kind == "load":
+                self.directory.finish_load(plan)
+            return None
+        plan_id = min(steps)
+        pending = self._pending[plan_id] = Pending(plan, steps, kind, request_id)
+        if kind == "load":
+            pending.queued = Counter({tier: n * self.block_nbytes for tier, n in Counter(plan.sources).items()})
+        for step_id in steps:
+            self._plan_of_step[step_id] = plan_id
+        if kind == "store":
+            self.stores += 1
+        return pending
+
+    def report(self, completions: dict[int, tuple[Status, int]]) -> list[Pending]:
+        """Ranks' reports of steps (step id -> (worst status, ranks reporting)); the plans now done."""
+        done: list[Pending] = []
+        for step_id, (status, reports) in completions.items():
+            plan_id = self._plan_of_step.get(step_id)
+            if plan_id is None:
+                continue
+            pending = self._pending[plan_id]
+            pending.reports[step_id] += reports
+            pending.statuses[step_id] = worst(pending.statuses.get(step_id, Status.OK), status)
+            if pending.reports[step_id] < self.world_size:
+                continue  # a block is only whole once every rank has its shard: the worst status counts
+            self.directory.complete(pending.steps.pop(step_id), pending.statuses.pop(step_id))
+            del self._plan_of_step[step_id]
+            if not pending.steps:
+                del self._pending[plan_id]
+                if pending.kind == "load":
+                    self.directory.finish_load(pending.plan)
+                elif pending.kind == "store":
+                    self.stores -= 1
+                done.append(pending)
+        return done
+
+    def busy(self) -> bool:
+        """Stores or deletes not yet completed (loads end with their requests)."""
+        return any(p.kind != "load" for p in self._pending.values())

@@ -1,0 +1,102 @@
+"""`get_num_new_matched_tokens`: how many tokens kvtier can give a request, and the promise it makes vLLM.
+
+A hit is promised only for blocks readable now, up to the engine block before the prompt's last token (as
+vLLM's own prefix cache: that token is always computed, so a restored prefix goes through exactly the kernels
+a local cache hit goes through), and only as far as the decision says a load beats recomputing. A shared tier
+(Redis) is asked for the blocks after the local prefix on a thread of our own: until it answers, the lookup
+returns None and vLLM keeps the request waiting, so the scheduler never blocks on the network.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from kvtier.config import KVTierConfig
+from kvtier.directory import Directory
+from kvtier.integrations.vllm.control import SchedulerControl
+from kvtier.integrations.vllm.requests import Promise, RequestState
+from kvtier.integrations.vllm.setup import Geometry
+from kvtier.sizing import shared_tier
+from kvtier.stores.base import SharedStore, TierKind
+from kvtier.wiring import redis_store
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class Lookup:
+    def __init__(self, directory: Directory, control: SchedulerControl, geometry: Geometry,
+                 shared_store: SharedStore | None) -> None:
+        self.directory = directory
+        self.control = control
+        self.geo = geometry
+        self.shared_store = shared_store
+        self._asking = ThreadPoolExecutor(2, thread_name_prefix="kvtier-lookup") if shared_store else None
+
+    def match(self, request: Request, num_computed_tokens: int, keys: list[bytes],
+              state: RequestState) -> tuple[int | None, bool]:
+        """vLLM's answer: (tokens promised, loaded asynchronously); None tokens while the shared tier is asked."""
+        bt = self.geo.block_tokens
+        first = num_computed_tokens // bt
+        state.local_tokens = num_computed_tokens
+        skip = self.control.route(request, engine_hit=num_computed_tokens > 0)
+        sources = self.directory.lookup(keys[first:], skip)
+        local = first + len(sources)
+        shared = self._shared_blocks(keys, local, skip, state)
+        if shared is None:
+            return None, False  # the shared tier has not answered yet: vLLM asks again next step
+        last = self._last_loadable(request)
+        found = sources + [self._shared_name()] * shared if shared else sources
+        tokens = [min((first + i + 1) * bt, last) - max((first + i) * bt, num_computed_tokens)
+                  for i in range(len(found))]
+        while tokens and tokens[-1] <= 0:
+            tokens.pop()
+        take = self.control.blocks_to_load(request.request_id, found[: len(tokens)], tokens)
+        end = min((first + take) * bt, last)
+        promised = end - num_computed_tokens
+        if promised <= 0:
+            state.promise = None
+            return 0, False
+        blocks = -(-(end - first * bt) // bt)
+        fetch = blocks > len(sources)
+        sync = not fetch and all(self.directory.kind(s) is TierKind.HOST for s in sources[:blocks])  # module doc
+        state.promise = Promise(first, blocks, end, num_computed_tokens, fetch, sync, tuple(found[:blocks]))
+        return promised, not sync
+
+    def _shared_blocks(self, keys: list[bytes], local: int, skip: frozenset[str], state: RequestState) -> int | None:
+        """How many blocks after `keys[:local]` the shared tier holds; None while it is being asked."""
+        if self._asking is None or self.shared_store is None or local >= len(keys) or self._shared_name() in skip:
+            return 0
+        asked = state.asked
+        if asked is None or asked[0] != local:
+            state.asked = (local, self._asking.submit(self.shared_store.lookup, keys[local:]))
+            return None
+        if not asked[1].done():
+            return None
+        state.asked = None
+        try:
+            return asked[1].result()
+        except Exception as exc:  # the store's breaker counts what failed; a lookup that fails is a miss
+            log.debug("kvtier: shared tier lookup failed: %s", exc)
+            return 0
+
+    def _shared_name(self) -> str:
+        assert self.directory.shared is not None
+        return self.directory.shared.name
+
+    def _last_loadable(self, request: Request) -> int:
+        """The first token of the engine block that holds the prompt's last token: never loaded (module doc)."""
+        ebs = self.geo.engine_block_size
+        return (request.num_tokens - 1) // ebs * ebs
+
+
+def lookup_client(config: KVTierConfig, geometry: Geometry) -> SharedStore | None:
+    """The scheduler's own client of the shared tier, for lookups (rank 0's namespace stands for all)."""
+    found = shared_tier(config)
+    if found is None:
+        return None
+    return redis_store(found[1], geometry.namespace(rank=0), geometry.block_nbytes, config.auth_key())
