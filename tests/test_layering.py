@@ -13,7 +13,7 @@ import kvtier
 SRC = Path(kvtier.__file__).parent
 # docs/architecture.md, "Which way imports go": a module imports from its own row or from rows below it.
 ROWS = [
-    {"__init__", "layout", "metrics", "report"},
+    {"__init__", "layout", "metrics", "report", "timing"},
     {"stores"},
     {"directory", "sizing", "config", "policies", "admission", "keys", "weights", "guard", "decide", "traces",
      "analyze", "sim", "plan"},

@@ -9,12 +9,12 @@ import math
 import time
 from collections.abc import Callable
 
-from kvtier.bench.timing import alternate, fresh_keys, summary
 from kvtier.directory import Directory, TierSpec
 from kvtier.keys import chain_keys
 from kvtier.layout import ALIGN
 from kvtier.sim.replay import complete_instantly
 from kvtier.stores.base import TierKind
+from kvtier.timing import alternate, fresh_keys, summary
 
 
 def lookup_case(

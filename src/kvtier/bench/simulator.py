@@ -35,10 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.bench.timing import timed
 from kvtier.policies import make_policy
 from kvtier.sim.fast_replay import FastReplayResult, fast_replay
 from kvtier.sim.mrc import lru_mrc
+from kvtier.timing import timed
 from kvtier.traces.locate import shared_traces_dir
 from kvtier.traces.mooncake import read_mooncake
 from kvtier.traces.request import TraceRequest

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.redis_server import throwaway_redis
-from kvtier.bench.timing import percentile
 from kvtier.rollout.server import temp_env
+from kvtier.timing import percentile
 
 PROMPT = 4032  # tokens: a ~4k prefix and the last engine block, within the tiny model's 4,096 positions
 FILLER = 2048

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.timing import percentile
 from kvtier.rollout import client, workload
 from kvtier.rollout.server import MAX_MODEL_LEN, Server, embedded_command, free_port, template_command
+from kvtier.timing import percentile
 
 STEPS = ("reference", "baseline", "headroom", "host", "host+disk", "rollback")
 KV_BYTES_PER_TOKEN = 2048  # the tiny model: 4 layers x K and V x 2 KV heads x 64 x bf16
