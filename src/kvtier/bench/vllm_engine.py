@@ -15,8 +15,8 @@ in the same run on the same machine. Medians over several prompts; one fresh eng
                                     `auto`: no block comes back, so none seen once is demoted)
 - p99_ttft_no_reuse_disk_1st_sighting_on_vs_off  the same with every unique block demoted (`min_sightings: 1`)
 - ttft_slow_disk_auto_vs_recompute  eight 2k-token prefixes served once (they end up on disk), then in turn with
-                                    every disk read slowed on purpose (`bench.slow_disk`): TTFT with the decision
-                                    (`load_policy: auto`) ÷ recomputing (kvtier off), the median of the
+                                    every disk read slowed on purpose (`rollout.faults.slow_reads`): TTFT with the
+                                    decision (`load_policy: auto`) ÷ recomputing (kvtier off), the median of the
                                     requests' paired ratios (the same prompt at the same position)
 - ttft_slow_disk_always_vs_recompute  the same, loading every block found (`load_policy: always`)
 
@@ -109,11 +109,11 @@ def _slow_disk_main(model: str, config_json: str, out_path: str) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvtier.bench.slow_disk import install
     from kvtier.integrations.vllm.tiny_model import start_engine
+    from kvtier.rollout.faults import slow_reads
 
     delay = Path(out_path).with_suffix(".delay")
-    install(delay)
+    slow_reads(delay)
     llm = start_engine(model, json.loads(config_json))
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False)
     prompts = [_tokens(f"slow-{i}", FILLER) + _tokens(f"suffix-{i}", 64) for i in range(SLOW_PROMPTS)]
