@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvtier.integrations.vllm.tiny_model import ENGINE_BLOCK_TOKENS, ENGINE_BLOCKS
 from kvtier.rollout import drills, exactness, faults
-from kvtier.rollout.run import KV_BYTES_PER_TOKEN, Rollout, budget_from, drill_budget_from, quantiles
+from kvtier.rollout.harness import KV_BYTES_PER_TOKEN, Rollout, budget_from, drill_budget_from, quantiles
 from kvtier.rollout.server import ENGINE_ENV
 
 
