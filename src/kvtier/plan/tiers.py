@@ -56,13 +56,13 @@ def host_check(engine: int, host: int) -> Check:
                  f"engine's {engine / GiB:,.1f} GiB")
 
 
-def without_trace(engine: int, host: int, disk: int) -> TierSizes:
+def sizes_without_trace(engine: int, host: int, disk: int) -> TierSizes:
     return TierSizes(engine, host, disk, checks=[host_check(engine, host)])
 
 
-def from_trace(requests: Sequence[TraceRequest], cost: CostModel, engine: int, host_available: int,
-               disk_available: int, ttft_budget_s: float, host_fixed: int | None = None, source: str = "",
-               on_request: Callable[[], None] | None = None) -> TierSizes:
+def sizes_from_trace(requests: Sequence[TraceRequest], cost: CostModel, engine: int, host_available: int,
+                     disk_available: int, ttft_budget_s: float, host_fixed: int | None = None, source: str = "",
+                     on_request: Callable[[], None] | None = None) -> TierSizes:
     """Sizes at the knee, capped by what the host and the disk can give (`host_fixed`: the slab is set)."""
     analysis = analyze(requests, Deployment(cost, engine, host_available, disk_available, ttft_budget_s), source)
     knee = analysis.bytes_for(KNEE_SHARE)
