@@ -33,7 +33,7 @@ import numpy as np
 from kvtier.config import GuardConfig
 from kvtier.decide import Decider
 from kvtier.directory import CALLER, Directory
-from kvtier.guard import Guard, State, Transition, request_source
+from kvtier.guard import Guard, TierState, Transition, request_source
 from kvtier.policies.base import DEFAULT_PRIORITY
 from kvtier.sim.configs import SimConfig
 from kvtier.sim.cost import CostModel
@@ -90,9 +90,9 @@ class SimResult:
         spans: list[tuple[str, float, float | None]] = []
         open_since: dict[str, float] = {}
         for t in self.guard:
-            if t.to is State.OFF and t.tier not in open_since:
+            if t.to is TierState.OFF and t.tier not in open_since:
                 open_since[t.tier] = t.at
-            elif t.to is State.ON and t.tier in open_since:
+            elif t.to is TierState.ON and t.tier in open_since:
                 spans.append((t.tier, open_since.pop(t.tier), t.at))
         spans += [(tier, since, None) for tier, since in open_since.items()]
         return sorted(spans, key=lambda s: s[1])
