@@ -87,8 +87,7 @@ def sizes_from_trace(requests: Sequence[TraceRequest], cost: CostModel, engine: 
 def _replay(requests: list[TraceRequest], analysis: Analysis, sizes: TierSizes,
             on_request: Callable[[], None] | None) -> dict[str, float]:
     from kvtier.sim.configs import DISK_ROOT, SimConfig, host_config
-    from kvtier.sim.simulate import Deployment as SimDeployment
-    from kvtier.sim.simulate import auto_instances, simulate
+    from kvtier.sim.simulate import ServingSetup, auto_instances, simulate
 
     block_tokens = analysis.block_tokens
     host = host_config(block_tokens, sizes.host)
@@ -97,5 +96,5 @@ def _replay(requests: list[TraceRequest], analysis: Analysis, sizes: TierSizes,
         disk = {"type": "fs", "root_dir": DISK_ROOT, "max_bytes": sizes.disk}
         configs.append(SimConfig("engine + host + disk", {**host, "secondary_tiers": [disk]}))
     cost = analysis.deployment.cost
-    dep = SimDeployment(cost, block_tokens, sizes.engine, auto_instances(requests, cost))
-    return {r.name: r.hit_ratio for r in simulate(requests, configs, dep, on_request=on_request)}
+    setup = ServingSetup(cost, block_tokens, sizes.engine, auto_instances(requests, cost))
+    return {r.name: r.hit_ratio for r in simulate(requests, configs, setup, on_request=on_request)}
