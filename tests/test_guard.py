@@ -12,7 +12,7 @@ from kvtier.config import ConfigError, GuardConfig, parse_config, parse_guard
 from kvtier.decide import Decider, LinkEstimate
 from kvtier.directory import Directory, TierSpec
 from kvtier.guard import ENGINE, RECOMPUTE, Guard, TierState, request_source
-from kvtier.sim.replay import complete_instantly
+from kvtier.sim.instant_mover import complete_instantly
 from kvtier.stores.base import TierKind
 
 TIERS = ["host", "disk", "redis"]

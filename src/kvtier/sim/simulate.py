@@ -39,7 +39,7 @@ from kvtier.sim.configs import SimConfig
 from kvtier.sim.cost import CostModel
 from kvtier.sim.engine import EngineCache
 from kvtier.sim.parallel import map_configs
-from kvtier.sim.replay import complete_instantly
+from kvtier.sim.instant_mover import complete_instantly
 from kvtier.sizing import tier_specs
 from kvtier.stores.base import TierKind
 from kvtier.traces.request import TraceRequest
