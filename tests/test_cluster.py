@@ -15,13 +15,13 @@ import pytest
 from kvtier.layout import KVLayout
 from kvtier.sim.cluster import ClusterConfig, simulate_cluster
 from kvtier.sim.cost import CostModel, ModelCompute
-from kvtier.sim.policy_replay import policy_replay
 from kvtier.sim.mrc import lru_mrc
+from kvtier.sim.policy_replay import policy_replay
 from kvtier.traces.mooncake import read_mooncake
 from kvtier.traces.request import TraceRequest
-from kvtier.traces.locate import shared_traces_dir
+from tests.conftest import PUBLIC_TRACES
 
-SHARED = shared_traces_dir()
+SHARED = PUBLIC_TRACES
 TRACES = ("conversation", "synthetic")
 PER_ENGINE = 3_000_000 // 512  # Figure 10: 3M tokens per prefill node
 HUGE = 1 << 30

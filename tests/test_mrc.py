@@ -21,13 +21,13 @@ from kvtier.bench import simulator as bench_sim
 from kvtier.layout import preset
 from kvtier.policies import make_policy
 from kvtier.sim.compiled_policy_replay import dense_ids, replay_ids
-from kvtier.sim.policy_replay import policy_replay, replay_blocks
 from kvtier.sim.mrc import lru_mrc, stack_distances
+from kvtier.sim.policy_replay import policy_replay, replay_blocks
 from kvtier.traces.mooncake import read_mooncake
 from kvtier.traces.request import TraceRequest
-from kvtier.traces.locate import shared_traces_dir
+from tests.conftest import PUBLIC_TRACES
 
-SHARED = shared_traces_dir()
+SHARED = PUBLIC_TRACES
 TRACES = ("conversation", "synthetic")
 
 

@@ -39,7 +39,7 @@ from kvtier.policies import make_policy
 from kvtier.sim.policy_replay import PolicyReplayResult, policy_replay
 from kvtier.sim.mrc import lru_mrc
 from kvtier.timing import timed
-from kvtier.traces.locate import shared_traces_dir
+from kvtier.traces.locate import SOURCES, public_trace
 from kvtier.traces.mooncake import read_mooncake
 from kvtier.traces.request import TraceRequest
 
@@ -52,15 +52,15 @@ POLICIES = ("lru", "arc", "s3fifo")
 
 
 def default_trace() -> Path:
-    """The Mooncake conversation trace in the shared traces folder (see `traces.locate`)."""
-    return shared_traces_dir() / TRACE_NAME
+    """The Mooncake conversation trace in the public traces' folder, $KVTIER_TRACES_DIR (`traces.locate`)."""
+    return public_trace(TRACE_NAME)
 
 
 def run(quick: bool = False, trace: str | Path | None = None) -> dict[str, Any]:
     """Every figure of the simulator benchmark, as a dict. `quick`: fewer repeats and a shorter replay."""
     path = Path(trace) if trace is not None else default_trace()
     if not path.exists():
-        raise FileNotFoundError(f"{path}: the Mooncake conversation trace (set KVTIER_TRACES_DIR to its folder)")
+        raise FileNotFoundError(f"{path}: no such file; the Mooncake conversation trace is at {SOURCES[TRACE_NAME]}")
     repeats = 3 if quick else 7
     started = time.perf_counter()
     requests = list(read_mooncake(path))
