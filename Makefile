@@ -6,6 +6,9 @@ STAMP   := $(VENV)/.installed
 
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
+# The public traces (`kvtier bench`'s simulator figures, the trace tests): this workspace's, unless set.
+export KVTIER_TRACES_DIR ?= $(abspath $(CURDIR)/../shared/traces)
+
 .PHONY: venv redis-server test bench demo clean
 
 venv: $(STAMP) redis-server

@@ -8,13 +8,32 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvtier.config import parse_config
+from kvtier.traces.locate import ENV
 
 SHAPE = (2, 2, 4, 16, 64)  # layers, K/V, heads, tokens, head dim: 16 KiB in bf16, 32 KiB in fp32
+
+
+def public_traces() -> Path:
+    """The public traces' folder (`kvtier.traces.locate`): $KVTIER_TRACES_DIR, else a `shared/traces` folder beside
+    the repository or above it, as this project's workspace lays them out; exported, so that the code under test
+    finds it too. Where neither exists, the tests that read a trace fail naming the folder they looked in."""
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV])
+    repo = Path(__file__).resolve().parents[1]
+    found = next((p / "shared" / "traces" for p in (repo, *repo.parents) if (p / "shared" / "traces").is_dir()), None)
+    if found is None:
+        return repo.parent / "shared" / "traces"
+    os.environ[ENV] = str(found)
+    return found
+
+
+PUBLIC_TRACES = public_traces()
 
 
 @pytest.fixture

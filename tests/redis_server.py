@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import redis
 
-from kvtier.bench.redis_server import RedisServer, free_port, redis_server_binary
+from kvtier.bench.redis_server import RedisServer, redis_server_binary
+from kvtier.rollout.server import free_port
 
 __all__ = ["RedisServer", "free_port", "redis_server_binary", "stored_bytes"]
 

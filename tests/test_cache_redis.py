@@ -20,7 +20,7 @@ from kvtier.cache import TieredCache
 from kvtier.config import parse_config
 from kvtier.directory import CALLER, Directory, Op, SharedSpec, Status, Step, TierSpec
 from kvtier.keys import chain_keys
-from kvtier.sim.replay import complete_instantly
+from kvtier.sim.instant_mover import complete_instantly
 from kvtier.stores import blockformat
 from kvtier.stores.base import TierKind
 from kvtier.stores.breaker import BreakerState

@@ -1,6 +1,6 @@
 """N engines with local caches vs one global pool (`kvtier.sim.cluster`), on the Mooncake traces.
 
-Each test pins a behaviour a bug would change: one engine is one cache (and agrees with fast_replay and the
+Each test pins a behaviour a bug would change: one engine is one cache (and agrees with policy_replay and the
 LRU miss-ratio curve), a shared pool of the same total capacity never loses to partitioned caches, routing
 with prefix affinity beats routing blind to the cache, unlimited capacity reaches the trace's reuse ceiling,
 and a seed fixes every result.
@@ -15,13 +15,13 @@ import pytest
 from kvtier.layout import KVLayout
 from kvtier.sim.cluster import ClusterConfig, simulate_cluster
 from kvtier.sim.cost import CostModel, ModelCompute
-from kvtier.sim.fast_replay import fast_replay
 from kvtier.sim.mrc import lru_mrc
+from kvtier.sim.policy_replay import policy_replay
 from kvtier.traces.mooncake import read_mooncake
 from kvtier.traces.request import TraceRequest
-from kvtier.traces.locate import shared_traces_dir
+from tests.conftest import PUBLIC_TRACES
 
-SHARED = shared_traces_dir()
+SHARED = PUBLIC_TRACES
 TRACES = ("conversation", "synthetic")
 PER_ENGINE = 3_000_000 // 512  # Figure 10: 3M tokens per prefill node
 HUGE = 1 << 30
@@ -40,11 +40,11 @@ def run(name: str, engines: int, capacity: int, mode: str, routing: str = "affin
 
 @pytest.mark.parametrize("name", TRACES)
 def test_one_engine_is_one_cache(name):
-    """N = 1: local, global and tiered hit the same tokens, which are fast_replay's and the LRU curve's."""
+    """N = 1: local, global and tiered hit the same tokens, which are policy_replay's and the LRU curve's."""
     requests = mooncake(name)
     hits = {mode: run(name, 1, PER_ENGINE, mode).hit_tokens for mode in ("local", "global", "tiered")}
     assert hits["local"] == hits["global"] == hits["tiered"]
-    assert hits["local"] == fast_replay(requests, "lru", PER_ENGINE).hit_tokens
+    assert hits["local"] == policy_replay(requests, "lru", PER_ENGINE).hit_tokens
     assert hits["local"] == lru_mrc(requests).hits(PER_ENGINE, "tokens")
 
 
@@ -59,7 +59,7 @@ def test_global_pool_beats_local_caches_of_the_same_total(name):
     # the tiered shared tier sees the global pool's accesses with its capacity: it is that pool, plus local
     assert tiered.hit_tokens >= pool.hit_tokens
     # one global pool of 10 x 3M is one LRU of 30M blocks, whatever the routing
-    assert pool.hit_tokens == fast_replay(mooncake(name), "lru", 10 * PER_ENGINE).hit_tokens
+    assert pool.hit_tokens == policy_replay(mooncake(name), "lru", 10 * PER_ENGINE).hit_tokens
     assert run(name, 10, PER_ENGINE, "global", "random").hit_tokens == pool.hit_tokens
 
 

@@ -33,7 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvtier.admission import AdmissionRule
 from kvtier.directory import CALLER, CopyState, Directory, Op, Plan, Status, Step, TierSpec
-from kvtier.sim.replay import complete_instantly
+from kvtier.sim.instant_mover import complete_instantly
 from kvtier.stores.base import TierKind
 
 BLOCK = 4096

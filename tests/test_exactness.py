@@ -3,7 +3,7 @@ lineage: vLLM's own cache hit on a block that another prefill computed may diffe
 
 from __future__ import annotations
 
-from kvtier.demo.exactness import check, lineage
+from kvtier.rollout.exactness import check, lineage
 
 BLOCK = 4
 SHARED = [1, 2, 3, 4, 5, 6, 7, 8]  # two blocks

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from kvtier.config import ConfigError, GuardConfig, parse_config, parse_guard
 from kvtier.decide import Decider, LinkEstimate
 from kvtier.directory import Directory, TierSpec
-from kvtier.guard import ENGINE, RECOMPUTE, Guard, State, request_source
-from kvtier.sim.replay import complete_instantly
+from kvtier.guard import ENGINE, RECOMPUTE, Guard, TierState, request_source
+from kvtier.sim.instant_mover import complete_instantly
 from kvtier.stores.base import TierKind
 
 TIERS = ["host", "disk", "redis"]
@@ -39,22 +39,23 @@ def test_trips_only_after_the_configured_breach_windows_then_holds_probes_and_co
     guard.tick(10)
     assert guard.enabled("disk")
     feed(guard, 10, 20, {"disk": 0.5, "host": 0.01})  # the second: off, at the end of that window
-    assert guard.state("disk") is State.OFF and guard.history[-1].at == 20
+    assert guard.state("disk") is TierState.OFF and guard.history[-1].at == 20
     assert guard.enabled("host")  # its own requests were within budget
     assert "ttft p99 500 ms > 100 ms" in guard.history[-1].reason
     assert "disk" in guard.route(25) and "disk" in guard.off()
     feed(guard, 20, 49, {"host": 0.01})  # held for 30 s: still off
-    assert guard.state("disk") is State.OFF
+    assert guard.state("disk") is TierState.OFF
     guard.tick(50)
-    assert guard.state("disk") is State.PROBE
+    assert guard.state("disk") is TierState.PROBE
     routes = [guard.route(50 + i * 0.01) for i in range(10)]
     assert sum("disk" not in r for r in routes) == 5  # the probe share, exactly
     assert "disk" in guard.off()  # nothing is written to a tier on probe
     feed(guard, 50, 60, {"disk": 0.02, "host": 0.01})  # probe windows within budget: one ...
-    assert guard.state("disk") is State.PROBE
+    assert guard.state("disk") is TierState.PROBE
     feed(guard, 60, 70, {"disk": 0.02, "host": 0.01})  # ... and two in a row: back on
-    assert guard.state("disk") is State.ON and guard.off() == frozenset()
-    assert [(t.tier, t.to) for t in guard.history] == [("disk", State.OFF), ("disk", State.PROBE), ("disk", State.ON)]
+    assert guard.state("disk") is TierState.ON and guard.off() == frozenset()
+    assert [(t.tier, t.to) for t in guard.history] == [("disk", TierState.OFF), ("disk", TierState.PROBE),
+                                                      ("disk", TierState.ON)]
     assert guard.transitions[("disk", "off")] == 1 and guard.transitions[("disk", "on")] == 1
 
 
@@ -63,11 +64,11 @@ def test_a_probe_that_breaches_turns_the_tier_off_again_for_another_hold():
     feed(guard, 0, 20, {"disk": 0.5})
     guard.tick(50)
     feed(guard, 50, 60, {"disk": 0.5})
-    assert guard.state("disk") is State.OFF and guard.history[-1].reason.startswith("probe: ")
+    assert guard.state("disk") is TierState.OFF and guard.history[-1].reason.startswith("probe: ")
     guard.tick(89)
-    assert guard.state("disk") is State.OFF
+    assert guard.state("disk") is TierState.OFF
     guard.tick(90)
-    assert guard.state("disk") is State.PROBE
+    assert guard.state("disk") is TierState.PROBE
 
 
 def test_too_few_requests_say_nothing():
@@ -83,7 +84,7 @@ def test_itl_budget_alone_and_per_source_attribution():
         guard.observe("disk", t, itl_s=[0.01, 0.02])
         guard.observe(RECOMPUTE, t, itl_s=[0.5])
     guard.tick(1.0)
-    assert guard.state("redis") is State.OFF and guard.enabled("disk") and guard.enabled("host")
+    assert guard.state("redis") is TierState.OFF and guard.enabled("disk") and guard.enabled("host")
     assert guard.window_p99[("redis", "itl")] == pytest.approx(0.2)
     assert guard.window_p99[(RECOMPUTE, "itl")] == pytest.approx(0.5)  # reported, never turned off
 
@@ -95,7 +96,7 @@ def test_one_tier_at_a_time_the_newest_first_by_default_or_by_order():
         feed(guard, 0, 20, {"disk": 0.5, "redis": 0.5})
         assert [t.tier for t in guard.history] == [first]  # the other is judged again on what follows
         feed(guard, 20, 40, {"disk": 0.5, "redis": 0.5})
-        assert {t.tier for t in guard.history if t.to is State.OFF} == {"disk", "redis"}
+        assert {t.tier for t in guard.history if t.to is TierState.OFF} == {"disk", "redis"}
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,11 +1,13 @@
-"""The package's layering (docs/architecture.md), checked on the source: imports point down, stores are dumb,
-files stay small, the mover needs no `type: ignore`."""
+"""The package's layering (docs/architecture.md), checked on the source: imports point down and never go round in
+a cycle, stores are dumb, a name means one thing, the mover needs no `type: ignore`."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import kvtier
@@ -13,7 +15,7 @@ import kvtier
 SRC = Path(kvtier.__file__).parent
 # docs/architecture.md, "Which way imports go": a module imports from its own row or from rows below it.
 ROWS = [
-    {"__init__", "layout", "metrics", "report"},
+    {"__init__", "layout", "metrics", "report", "timing"},
     {"stores"},
     {"directory", "sizing", "config", "policies", "admission", "keys", "weights", "guard", "decide", "control",
      "traces", "analyze", "sim", "plan"},
@@ -21,9 +23,15 @@ ROWS = [
     {"wiring"},
     {"cache"},
     {"integrations"},
-    {"cli", "bench", "demo", "rollout"},
+    {"demo"},  # the in-process demo: TieredCache behind an engine stand-in
+    {"rollout"},  # a real server over HTTP, its drills' faults, its exactness check
+    {"bench"},  # the benchmarks: the rollout's server starter and slow disk for the vLLM figures
+    {"cli"},  # the `kvtier` command: every command above
 ]
 ROW = {name: i for i, row in enumerate(ROWS) for name in row}
+# Names that several modules define on purpose, each time with the same meaning: a command module's entry point
+# (`main`, `run`) and a subcommand's registration on the `kvtier` parser (`add`).
+ENTRY_POINTS = {"main", "run", "add"}
 
 
 def _part(module: str) -> str:
@@ -32,8 +40,14 @@ def _part(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+def _is_module(dotted: str) -> bool:
+    path = SRC.parent.joinpath(*dotted.split("."))
+    return path.is_dir() or path.with_suffix(".py").is_file()
+
+
 def _runtime_imports(path: Path) -> list[tuple[int, str]]:
-    """(line, module) of every kvtier import that runs (lazy ones included, `if TYPE_CHECKING:` ones not)."""
+    """(line, module) of every kvtier import that runs (lazy ones included, `if TYPE_CHECKING:` ones not); `from
+    a.b import c` imports the module `a.b.c` when there is one, else `a.b`."""
     tree = ast.parse(path.read_text())
     type_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
                  and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
@@ -42,11 +56,9 @@ def _runtime_imports(path: Path) -> list[tuple[int, str]]:
     for node in ast.walk(tree):
         if id(node) in type_only:
             continue
-        if isinstance(node, ast.ImportFrom) and node.module == "kvtier":  # `from kvtier import bench` is kvtier.bench
-            names = [f"kvtier.{a.name}" if (SRC / a.name).is_dir() or (SRC / f"{a.name}.py").is_file() else "kvtier"
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if _is_module(f"{node.module}.{a.name}") else node.module
                      for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         else:
@@ -57,6 +69,52 @@ def _runtime_imports(path: Path) -> list[tuple[int, str]]:
 
 def _modules() -> list[Path]:
     return sorted(p for p in SRC.rglob("*.py") if "egg-info" not in str(p))
+
+
+def _dotted(path: Path) -> str:
+    """The module's name: kvtier.rollout.run for rollout/run.py, kvtier.rollout for rollout/__init__.py."""
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the kvtier modules it imports at run time. Importing `a.b.c` also runs the package `a.b`, but
+    only as the way in: the edge is to the module named, as Python resolves a package importing its own parts."""
+    modules = {_dotted(p): p for p in _modules()}
+    return {name: {m for _, m in _runtime_imports(path) if m in modules} for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of `graph` (its first module repeated at its end), or None."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        path.append(module)
+        for imported in sorted(graph.get(module, ())):
+            if imported in path:
+                return path[path.index(imported):] + [imported]
+            if imported not in done and (found := visit(imported)):
+                return found
+        done.add(path.pop())
+        return None
+
+    for module in sorted(graph):
+        if module not in done and (found := visit(module)):
+            return found
+    return None
+
+
+def _definitions(body: list[ast.stmt]) -> Iterator[str]:
+    """Names of the classes and functions a module defines at its top level (in its top-level `if` and `try`
+    blocks too)."""
+    for node in body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node.name
+        elif isinstance(node, (ast.If, ast.Try)):
+            for block in (node.body, node.orelse, getattr(node, "finalbody", []),
+                          *(h.body for h in getattr(node, "handlers", []))):
+                yield from _definitions(block)
 
 
 def test_every_part_of_the_package_has_a_row():
@@ -81,9 +139,28 @@ def test_stores_import_nothing_but_stores_layout_and_the_format_version():
                 f"stores/{path.name}:{line} imports {module}")
 
 
-def test_files_stay_small_and_the_mover_needs_no_type_ignore():
-    big = [f"{p.relative_to(SRC)}: {n}" for p in _modules() if (n := len(p.read_text().splitlines())) > 400]
-    assert not big, f"files over 400 lines: {big}"
+def test_no_import_goes_round_in_a_cycle():
+    """Every runtime import counts, lazy ones inside functions too: a cycle that only works because one side
+    imports late is still two modules that each need the other."""
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]  # the finder finds one
+    assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    cycle = _cycle(_import_graph())
+    assert cycle is None, "imports that go round: " + " -> ".join(cycle or [])
+
+
+def test_a_public_name_is_defined_once():
+    """A class or function name means one thing across the package: defined in one module only (the entry points'
+    conventional names aside)."""
+    where: dict[str, set[str]] = defaultdict(set)
+    for path in _modules():
+        for name in _definitions(ast.parse(path.read_text()).body):
+            if not name.startswith("_"):
+                where[name].add(str(path.relative_to(SRC)))
+    twice = {name: sorted(paths) for name, paths in where.items() if len(paths) > 1 and name not in ENTRY_POINTS}
+    assert not twice, f"defined in more than one module (rename by meaning, or keep one): {twice}"
+
+
+def test_the_mover_needs_no_type_ignore():
     for path in (SRC / "mover").glob("*.py"):
         assert "type: ignore" not in path.read_text(), path.name
 

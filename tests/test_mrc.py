@@ -1,4 +1,4 @@
-"""Miss-ratio curves and fast replay: against a brute-force LRU, libCacheSim, and the published Figure 9.
+"""Miss-ratio curves and policy replays: against a brute-force LRU, libCacheSim, and the published Figure 9.
 
 Figure 9 of the Mooncake FAST'25 paper does not say how its hit rate is weighted. Token-weighted prefix hits
 (hit tokens = min(hit blocks x 512, input tokens), summed over requests, / all input tokens) land inside the
@@ -20,14 +20,14 @@ import pytest
 from kvtier.bench import simulator as bench_sim
 from kvtier.layout import preset
 from kvtier.policies import make_policy
-from kvtier.sim.compiled_replay import dense_ids, replay_ids
-from kvtier.sim.fast_replay import fast_replay, replay_blocks
+from kvtier.sim.compiled_policy_replay import dense_ids, replay_ids
 from kvtier.sim.mrc import lru_mrc, stack_distances
+from kvtier.sim.policy_replay import policy_replay, replay_blocks
 from kvtier.traces.mooncake import read_mooncake
 from kvtier.traces.request import TraceRequest
-from kvtier.traces.locate import shared_traces_dir
+from tests.conftest import PUBLIC_TRACES
 
-SHARED = shared_traces_dir()
+SHARED = PUBLIC_TRACES
 TRACES = ("conversation", "synthetic")
 
 
@@ -175,20 +175,20 @@ def test_the_curve_equals_libcachesim_lru_exactly(name: str) -> None:
         assert curve.hits(capacity) == hits, capacity
 
 
-# ---------------------------------------------------------------- fast replay through kvtier's own policies
+# ---------------------------------------------------------------- policy replay through kvtier's own policies
 
 
 @pytest.mark.parametrize("name", TRACES)
 def test_fast_lru_replay_equals_the_curve(name: str) -> None:
     requests, curve = mooncake(name), mooncake_curve(name)
     for capacity in (19, 1953, 19531):
-        result = fast_replay(requests, "lru", capacity)
+        result = policy_replay(requests, "lru", capacity)
         assert result.accesses == curve.accesses and result.input_tokens == curve.input_tokens
         assert result.hits == curve.hits(capacity)
         assert result.hit_prefix_blocks == curve.hit_prefix_blocks[capacity]
         assert result.hit_tokens == curve.hits(capacity, weight="tokens")
     # priority retention with one priority everywhere is LRU; the block-only replay counts the same hits
-    assert fast_replay(requests, "priority", 1953).hits == curve.hits(1953)
+    assert policy_replay(requests, "priority", 1953).hits == curve.hits(1953)
     assert replay_blocks(block_sequence(requests), "lru", 1953) == curve.hits(1953)
 
 
@@ -197,7 +197,7 @@ ORACLE = {"arc": libcachesim.ARC, "s3fifo": libcachesim.S3FIFO}
 
 @pytest.mark.parametrize("policy", sorted(ORACLE))
 @pytest.mark.parametrize("capacity", [200, 2000, 20000])
-def test_fast_replay_is_within_a_percent_of_libcachesim(policy: str, capacity: int) -> None:
+def test_policy_replay_is_within_a_percent_of_libcachesim(policy: str, capacity: int) -> None:
     """The tolerance of tests/test_policies.py, on the conversation trace's block sequence."""
     requests = mooncake("conversation")
     blocks = block_sequence(requests)
@@ -208,11 +208,11 @@ def test_fast_replay_is_within_a_percent_of_libcachesim(policy: str, capacity: i
     for b in blocks:
         req.obj_id = b
         theirs += oracle.get(req)
-    ours = fast_replay(requests, policy, capacity).hits
+    ours = policy_replay(requests, policy, capacity).hits
     assert abs(ours - theirs) / len(blocks) <= 0.01, (ours, theirs)
 
 
-def test_fast_replay_refuses_a_used_policy() -> None:
+def test_policy_replay_refuses_a_used_policy() -> None:
     from kvtier.policies import LRUPolicy
 
     policy = LRUPolicy(4)
@@ -237,7 +237,7 @@ def test_bench_sim_quick_reports_every_figure() -> None:
 
 
 def replay_objects(requests, policy: str, capacity: int) -> tuple[list[int], list[int]]:
-    """Per request: block hits and leading hits, through the runtime's policy objects (fast_replay's loop)."""
+    """Per request: block hits and leading hits, through the runtime's policy objects (policy_replay's loop)."""
     cache_ = make_policy(policy, capacity)
     hits, leads = [], []
     for r in requests:
@@ -277,11 +277,11 @@ def test_compiled_replays_decide_as_the_policy_objects_request_by_request(policy
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo"])
-def test_fast_replay_by_name_equals_the_policy_objects_on_a_real_trace(policy: str) -> None:
+def test_policy_replay_by_name_equals_the_policy_objects_on_a_real_trace(policy: str) -> None:
     requests = mooncake("conversation")
     for capacity in (200, 5859, 20000):
-        compiled = fast_replay(requests, policy, capacity)
-        assert compiled == fast_replay(requests, make_policy(policy, capacity))
+        compiled = policy_replay(requests, policy, capacity)
+        assert compiled == policy_replay(requests, make_policy(policy, capacity))
         assert compiled.hits > 0
 
 

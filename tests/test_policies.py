@@ -17,7 +17,7 @@ from kvtier.admission import AdmissionRule
 from kvtier.directory import CopyState, Directory, TierSpec
 from kvtier.policies import ARCPolicy, LRUPolicy, PriorityPolicy, S3FIFOPolicy
 from kvtier.policies.base import EvictionPolicy
-from kvtier.sim.replay import complete_instantly, replay
+from kvtier.sim.instant_mover import complete_instantly, replay
 from kvtier.stores.base import TierKind
 
 # ---------------------------------------------------------------- oracle: libCacheSim on the same requests

@@ -21,7 +21,7 @@ from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.setup import Geometry
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.keys import chain_keys
-from kvtier.sim.replay import complete_instantly
+from kvtier.sim.instant_mover import complete_instantly
 from kvtier.stores.base import TierKind
 from kvtier.stores.disk import DiskStore
 from kvtier.stores.redis import RedisStore

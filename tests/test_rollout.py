@@ -39,7 +39,8 @@ def test_the_rollout_on_the_embedded_default(tmp_path, served_model):
     from rich.console import Console
 
     from kvtier.rollout.present import write_html
-    from kvtier.rollout.run import Options, run
+    from kvtier.rollout.harness import Options
+    from kvtier.rollout.run import run
 
     before = in_temp_folder()
     report = run(Options(requests=12, levels=(1, 2), model=Path(served_model)), Console(file=open(os.devnull, "w")))

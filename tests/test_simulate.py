@@ -16,7 +16,7 @@ from kvtier.layout import KVLayout
 from kvtier.sim.configs import SimConfig
 from kvtier.sim.cost import CostModel, ModelCompute, cost_model
 from kvtier.sim.engine import EngineCache
-from kvtier.sim.simulate import Deployment, recommend, simulate
+from kvtier.sim.simulate import ServingSetup, recommend, simulate
 from kvtier.traces.request import TraceRequest
 from kvtier.traces.workloads import GENERATORS, generate_trace
 from kvtier.traces.write import write_kvtier_jsonl
@@ -70,7 +70,7 @@ def test_simulator_and_tiered_cache_report_identical_hits(tmp_path, extra):
     workload = replace(GENERATORS["shared"], requests=160, block_tokens=16, system_blocks=4, document_blocks=6,
                        documents=12, unique_blocks=6, seed=5)
     requests = sequential(generate_trace(workload))
-    dep = Deployment(TINY, block_tokens=16, engine_kv_bytes=8 * PAYLOAD, instances=1)
+    dep = ServingSetup(TINY, block_tokens=16, engine_kv_bytes=8 * PAYLOAD, instances=1)
     [result] = simulate(requests, [SimConfig("under test", extra)], dep)
     expected, evictions = tiered_cache_hits(requests, extra, dep.engine_blocks, tmp_path)
     assert {k: v for k, v in result.hit_blocks.items() if v} == {k: v for k, v in expected.items() if v}
@@ -84,7 +84,7 @@ def test_configurations_replayed_in_processes_give_what_one_process_gives():
     workload = replace(GENERATORS["shared"], requests=120, block_tokens=16, system_blocks=4, document_blocks=6,
                        documents=12, unique_blocks=6, seed=9)
     requests = generate_trace(workload)
-    dep = Deployment(TINY, block_tokens=16, engine_kv_bytes=8 * PAYLOAD, instances=1)
+    dep = ServingSetup(TINY, block_tokens=16, engine_kv_bytes=8 * PAYLOAD, instances=1)
     disk = {"type": "fs", "root_dir": "x", "max_bytes": 60 * (PAYLOAD + 4096)}
     configs = [SimConfig("engine only", None),
                SimConfig("+ host", {"cpu_bytes_to_use": 12 * PAYLOAD, "block_size": 16}),
@@ -112,7 +112,7 @@ def request(t: float, blocks: tuple[int, ...], tokens: int = 512) -> TraceReques
 
 def test_requests_queue_for_the_prefill_servers():
     cost = cost_model()
-    dep = Deployment(cost, 512, engine_kv_bytes=cost.block_bytes(512), instances=1)
+    dep = ServingSetup(cost, 512, engine_kv_bytes=cost.block_bytes(512), instances=1)
     trace = [request(0.0, (0, 1, 2, 3)), request(0.0, (4, 5, 6, 7))]
     [r] = simulate(trace, [SimConfig("engine only", None)], dep)
     alone = cost.prefill_seconds(2048)
@@ -124,7 +124,7 @@ def test_requests_queue_for_the_prefill_servers():
 
 def test_a_host_hit_costs_its_transfer_instead_of_its_prefill():
     cost = cost_model()
-    dep = Deployment(cost, 512, engine_kv_bytes=cost.block_bytes(512), instances=1)  # engine: one block
+    dep = ServingSetup(cost, 512, engine_kv_bytes=cost.block_bytes(512), instances=1)  # engine: one block
     host = SimConfig("+ host", {"cpu_bytes_to_use": 16 * cost.block_bytes(512), "block_size": 512})
     trace = [request(0.0, (0, 1, 2, 3)), request(100.0, (9,)), request(200.0, (0, 1, 2, 3))]
     [r] = simulate(trace, [host], dep)
@@ -137,7 +137,7 @@ def test_a_host_hit_costs_its_transfer_instead_of_its_prefill():
 def test_unique_prompts_get_engine_only_recommended():
     requests = generate_trace(replace(GENERATORS["unique"], requests=300))
     cost = cost_model()
-    dep = Deployment(cost, 256, 4 << 30, instances=1)
+    dep = ServingSetup(cost, 256, 4 << 30, instances=1)
     host = SimConfig("+ host", {"cpu_bytes_to_use": 64 << 30, "block_size": 256})
     results = simulate(requests, [SimConfig("engine only", None), host], dep)
     assert results[1].hit_tokens["host"] == 0
@@ -194,7 +194,7 @@ def test_the_guard_turns_a_slow_disk_off_and_the_decision_recomputes_instead():
     from kvtier.config import parse_guard
 
     requests = generate_trace(replace(GENERATORS["shared"], requests=1500, rate_per_s=4))
-    dep = Deployment(cost_model(disk_gbs=0.5), 256, 4 << 30, instances=2)
+    dep = ServingSetup(cost_model(disk_gbs=0.5), 256, 4 << 30, instances=2)
     configs = [SimConfig(policy, {"cpu_bytes_to_use": 8 << 30, "block_size": 256, "load_policy": policy,
                                   "secondary_tiers": [SLOW_DISK]}) for policy in ("always", "auto")]
     always, auto = simulate(requests, configs, dep, guard=parse_guard(GUARD))

@@ -15,15 +15,32 @@ import pytest
 from kvtier.keys import chain_keys
 from kvtier.traces.azure import SyntheticReuse, read_azure
 from kvtier.traces.kvtier_jsonl import read_kvtier_jsonl
+from kvtier.traces.locate import ENV, SOURCES, public_trace, traces_dir
 from kvtier.traces.mooncake import read_mooncake
 from kvtier.traces.read import read_trace, trace_format
 from kvtier.traces.request import TraceError, TraceRequest
-from kvtier.traces.locate import shared_traces_dir
+from tests.conftest import PUBLIC_TRACES
 
 DATA = Path(__file__).parent / "data" / "traces"
-SHARED = shared_traces_dir()
+SHARED = PUBLIC_TRACES
 MOONCAKE = SHARED / "mooncake"
 AZURE = SHARED / "azure_llm_2023"
+
+
+def test_the_public_traces_are_in_the_folder_the_variable_names_and_a_missing_one_says_where_to_get_it(
+        monkeypatch, tmp_path):
+    monkeypatch.delenv(ENV, raising=False)
+    with pytest.raises(FileNotFoundError, match=f"set {ENV} to the folder of the public traces") as unset:
+        traces_dir()
+    assert all(url in str(unset.value) for url in SOURCES.values())
+    monkeypatch.setenv(ENV, str(tmp_path))
+    name = "mooncake/conversation_trace.jsonl"
+    with pytest.raises(FileNotFoundError, match=f"download it from {SOURCES[name]}"):
+        public_trace(name)
+    (tmp_path / "mooncake").mkdir()
+    (tmp_path / name).write_text("")
+    assert traces_dir() == tmp_path and public_trace(name) == tmp_path / name
+
 
 # ---------------------------------------------------------------- Mooncake
 

@@ -30,7 +30,7 @@ SIGNALS = ("ttft", "itl")
 KEEP_TRANSITIONS = 10_000  # a server's guard keeps its last transitions, not all of them
 
 
-class State(Enum):
+class TierState(Enum):
     ON = "on"
     OFF = "off"
     PROBE = "probe"
@@ -53,7 +53,7 @@ def p99(values: Sequence[float]) -> float:
 @dataclass(frozen=True)
 class Transition:
     tier: str
-    to: State
+    to: TierState
     at: float
     reason: str
 
@@ -72,7 +72,7 @@ class _Window:
 
 @dataclass
 class _Tier:
-    state: State = State.ON
+    state: TierState = TierState.ON
     since: float = 0.0  # when it entered its state
     breaches: deque = field(default_factory=deque)  # ON: the verdicts of its last windows (True: breached)
     clean: int = 0  # PROBE: probe windows within budget, in a row
@@ -97,24 +97,24 @@ class Guard:
 
     # ---------------------------------------------------------------- what drivers ask
 
-    def state(self, tier: str) -> State:
+    def state(self, tier: str) -> TierState:
         return self._tiers[tier].state
 
     def enabled(self, tier: str) -> bool:
-        return self._tiers[tier].state is State.ON
+        return self._tiers[tier].state is TierState.ON
 
     def off(self) -> frozenset[str]:
         """Tiers nothing is written to: off or on probe."""
-        return frozenset(name for name, t in self._tiers.items() if t.state is not State.ON)
+        return frozenset(name for name, t in self._tiers.items() if t.state is not TierState.ON)
 
     def route(self, now: float) -> frozenset[str]:
         """The tiers one new request must not read: those off, and those on probe unless it is a probe's share."""
         self.tick(now)
         skip = set()
         for name, tier in self._tiers.items():
-            if tier.state is State.OFF:
+            if tier.state is TierState.OFF:
                 skip.add(name)
-            elif tier.state is State.PROBE:
+            elif tier.state is TierState.PROBE:
                 tier.credit += self.config.probe_share
                 if tier.credit >= 1:
                     tier.credit -= 1
@@ -141,9 +141,9 @@ class Guard:
                 self._close(self._window_end + k * self.config.window_s)
             self._window_end += (int((now - self._window_end) // self.config.window_s) + 1) * self.config.window_s
         for name, tier in self._tiers.items():
-            if tier.state is State.OFF and now - tier.since >= self.config.hold_s:
+            if tier.state is TierState.OFF and now - tier.since >= self.config.hold_s:
                 tier.clean, tier.credit = 0, 1 - self.config.probe_share  # the next request is the first probe
-                self._move(name, State.PROBE, now, f"held {self.config.hold_s:g} s")
+                self._move(name, TierState.PROBE, now, f"held {self.config.hold_s:g} s")
 
     # ---------------------------------------------------------------- windows
 
@@ -154,18 +154,18 @@ class Guard:
         start = end - self.config.window_s
         candidates = []
         for name, tier in self._tiers.items():
-            if tier.state is State.ON:
+            if tier.state is TierState.ON:
                 tier.breaches.append(self._breach(window, name, self.config.min_requests) is not None)
                 if sum(tier.breaches) >= self.config.breach_windows:
                     candidates.append(name)
-            elif tier.state is State.PROBE and tier.since <= start:
+            elif tier.state is TierState.PROBE and tier.since <= start:
                 self._judge_probe(name, tier, window, end)
         if candidates:
             name = min(candidates, key=self.order.index)
             breached = sum(self._tiers[name].breaches)
             last = self._breach(window, name, self.config.min_requests)
             figures = self._figures(name, last, window) + "; " if last else ""
-            self._move(name, State.OFF, end, f"{figures}budget broken in {breached} of the last "
+            self._move(name, TierState.OFF, end, f"{figures}budget broken in {breached} of the last "
                        f"{self.config.of_windows} windows of {self.config.window_s:g} s")
             for tier in self._tiers.values():
                 tier.breaches.clear()  # one change at a time: judge the others on what follows it
@@ -173,11 +173,11 @@ class Guard:
     def _judge_probe(self, name: str, tier: _Tier, window: _Window, end: float) -> None:
         breached = self._breach(window, name, self._probe_min)
         if breached is not None:
-            self._move(name, State.OFF, end, "probe: " + self._figures(name, breached, window))
+            self._move(name, TierState.OFF, end, "probe: " + self._figures(name, breached, window))
         elif any(window.requests(name, s) >= self._probe_min for s in SIGNALS if self.budget[s] is not None):
             tier.clean += 1
             if tier.clean >= self.config.breach_windows:
-                self._move(name, State.ON, end, f"{tier.clean} probe windows within budget")
+                self._move(name, TierState.ON, end, f"{tier.clean} probe windows within budget")
 
     def _breach(self, window: _Window, source: str, min_requests: int) -> str | None:
         """The first signal whose budget `source`'s requests broke in `window`, if they were enough to judge."""
@@ -193,11 +193,11 @@ class Guard:
         return (f"{signal} p99 {p99(getattr(window, signal)[name]) * 1e3:,.0f} ms > {self.budget[signal]:g} ms "
                 f"over {window.requests(name, signal)} requests in the last window")
 
-    def _move(self, name: str, to: State, at: float, reason: str) -> None:
+    def _move(self, name: str, to: TierState, at: float, reason: str) -> None:
         tier = self._tiers[name]
         tier.state, tier.since = to, at
         tier.breaches.clear()
         transition = Transition(name, to, at, reason)
         self.transitions[(name, to.value)] += 1
         self.history.append(transition)
-        (log.warning if to is State.OFF else log.info)("kvtier guard: tier %s %s: %s", name, to.value, reason)
+        (log.warning if to is TierState.OFF else log.info)("kvtier guard: tier %s %s: %s", name, to.value, reason)

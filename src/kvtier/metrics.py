@@ -70,7 +70,7 @@ MOVE_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5
 MAX_OBSERVED = 4096  # move durations kept per pair between two `take_observed` (one engine step)
 
 
-class SharedStore(Protocol):
+class MeteredStore(Protocol):
     """What metrics read from a shared tier's store (RedisStore): local counters, its byte count and its bound."""
 
     def stats(self) -> dict[str, Any]: ...
@@ -99,7 +99,7 @@ class Metrics:
 
     def __init__(
         self, directory: Directory | None, block_tokens: int, guard: Guard | None = None,
-        shared: Mapping[str, SharedStore] | None = None, lock: AbstractContextManager | None = None,
+        shared: Mapping[str, MeteredStore] | None = None, lock: AbstractContextManager | None = None,
         keep_observed: bool = False,
     ) -> None:
         """`directory` is None where only bytes move (a vLLM worker): then only the data plane's figures exist.

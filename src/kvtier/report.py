@@ -104,7 +104,7 @@ class Report:
                 body.append(_html_table(part))
             else:
                 body.append(f"<figure><img alt='{html.escape(part.title)}' src='data:image/png;base64,"
-                            f"{_png(part)}'><figcaption>{html.escape(part.title)}</figcaption></figure>")
+                            f"{_plot_png(part)}'><figcaption>{html.escape(part.title)}</figcaption></figure>")
         path.write_text(PAGE.format(title=html.escape(self.title), body="\n".join(body)))
 
 
@@ -124,7 +124,7 @@ def _html_table(part: Table) -> str:
     return f"<h3>{html.escape(part.title)}</h3><table><tr>{head}</tr>{rows}</table>{note}"
 
 
-def _png(part: Plot) -> str:
+def _plot_png(part: Plot) -> str:
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -138,8 +138,13 @@ def _png(part: Plot) -> str:
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
+    return png_base64(fig)
+
+
+def png_base64(fig: Any, **savefig: Any) -> str:
+    """A matplotlib figure as a base64 PNG, for an <img> of a self-contained page (`savefig`: its options)."""
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
+    fig.savefig(buffer, format="png", **savefig)
     return base64.b64encode(buffer.getvalue()).decode()
 
 

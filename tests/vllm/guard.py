@@ -34,11 +34,11 @@ def main() -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvtier.bench.slow_disk import install
     from kvtier.integrations.vllm.tiny_model import start_engine
+    from kvtier.rollout.faults import slow_reads
 
     delay_file = Path(tempfile.mkdtemp(prefix="kvtier-delay-")) / "delay"
-    install(delay_file)
+    slow_reads(delay_file)
     llm = start_engine(sys.argv[1], json.loads(sys.argv[2]))
     side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
     control = side.control

@@ -23,7 +23,7 @@ GiB = 1 << 30
 def analysis_report(a: Analysis) -> Report:
     v = verdict(a)
     s, d = a.stats, a.deployment
-    data = a.as_dict()
+    data = {**a.as_dict(), "verdict": v.as_dict()}
     report = Report(f"kvtier analyze — {a.source}", data=data)
     rate = s.requests / s.span_s if s.span_s > 0 else 0.0
     report.add(

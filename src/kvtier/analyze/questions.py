@@ -6,7 +6,8 @@
 4. Which blocks should be dropped at once?             (one-shot blocks; what second-sighting admission trades)
 
 One pass over the trace feeds both the reuse statistics and the LRU miss-ratio curve, so a trace is read
-once and never held in memory. The verdict that follows from the answers is in `kvtier.analyze.verdict`.
+once and never held in memory. The verdict that follows from the answers is in `kvtier.analyze.verdict`, which
+reads an `Analysis`; `kvtier.analyze.present` puts both in the report.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.analyze.reuse import ReuseStats
-from kvtier.analyze.verdict import verdict
 from kvtier.sim.cost import CostModel
 from kvtier.sim.mrc import MissRatioCurve, lru_mrc
 from kvtier.stores.base import TierKind
@@ -184,7 +184,6 @@ class Analysis:
             },
             "tier_hit_ratios": self.tier_hit_ratios(),
             "bytes_for_95pct_of_max": self.bytes_for(0.95),
-            "verdict": verdict(self).as_dict(),
         }
 
 

@@ -10,14 +10,11 @@ Tiering fits only if all four hold; each failure is a reason not to deploy it:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvtier.analyze.questions import Analysis
 from kvtier.stores.base import TierKind
-
-if TYPE_CHECKING:
-    from kvtier.analyze.questions import Analysis
 
 MIN_REUSED_SHARE = 0.10  # below this share of reused prompt tokens the traffic is "unique prompts"
 NO_PRESSURE = 0.95  # the engine alone reaching this share of the achievable hit ratio = no memory pressure

@@ -1,19 +1,20 @@
 """The tables of docs/scaling.md: N engines with local caches vs one global pool vs kvtier's tiers, on the
 Mooncake traces (`kvtier.sim.cluster` replays them), beside the paper's Figure 10 where it has the figure.
 
-    python -m kvtier.bench.cluster        # both traces from shared/traces/mooncake; --engines, --capacity-tokens
+    python -m kvtier.bench.cluster        # both traces from $KVTIER_TRACES_DIR/mooncake; --engines, --capacity-tokens
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier.sim.cluster import MODES, ROUTINGS, ClusterConfig, paper_cost, simulate_cluster
 from kvtier.sim.cost import CostModel
-from kvtier.traces.locate import shared_traces_dir
+from kvtier.traces.locate import ENV, public_trace, traces_dir
 from kvtier.traces.read import read_trace
 from kvtier.traces.request import TraceRequest
 
@@ -122,16 +123,15 @@ def _markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvtier.bench.cluster", description=__doc__.split("\n")[0])
-    ap.add_argument("traces", nargs="*", type=Path, help="Mooncake traces (default: both in shared/traces)")
+    ap.add_argument("traces", nargs="*", type=Path, help="Mooncake traces (default: both in $KVTIER_TRACES_DIR)")
     ap.add_argument("--engines", type=int, nargs="+", default=[1, 2, 5, 10, 20], help="N for the scaling table")
     ap.add_argument("--capacity-tokens", type=float, default=3e6, help="per engine (default 3M, as Figure 10)")
     ap.add_argument("--routing", choices=ROUTINGS, default="affinity", help="for the scaling table")
     args = ap.parse_args(argv)
-    shared = shared_traces_dir()
-    paths = args.traces or [shared / "mooncake" / f"{t}_trace.jsonl" for t in ("conversation", "synthetic")]
+    paths = args.traces or [public_trace(f"mooncake/{t}_trace.jsonl") for t in ("conversation", "synthetic")]
     traces = {p.name.removesuffix(".jsonl").removesuffix("_trace"): list(read_trace(p)) for p in paths}
-    figures = shared / "reference_figures.json"
-    paper = json.loads(figures.read_text())["mooncake_fast25"][FIG10] if figures.is_file() else None
+    figures = traces_dir() / "reference_figures.json" if os.environ.get(ENV) else None
+    paper = json.loads(figures.read_text())["mooncake_fast25"][FIG10] if figures and figures.is_file() else None
     print(_markdown(ROUTING_HEADER, routing_rows(traces, 10, args.capacity_tokens, ROUTINGS, paper=paper)))
     print()
     print(_markdown(SCALING_HEADER, scaling_rows(traces, args.engines, args.capacity_tokens, args.routing)))

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from kvtier.bench.timing import BUDGET_S, alternate, fresh_keys, summary
 from kvtier.config import parse_config
 from kvtier.directory import Op, Plan, Status, Step
 from kvtier.keys import Namespace
@@ -27,6 +26,7 @@ from kvtier.sizing import HOST
 from kvtier.stores.base import Stores
 from kvtier.stores.disk import DiskStore
 from kvtier.stores.host import HostSlab
+from kvtier.timing import BUDGET_S, alternate, fresh_keys, summary
 from kvtier.wiring import build_mover
 
 GiB = 1 << 30

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from kvtier.bench.timing import summary
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
 from kvtier.keys import chain_keys
 from kvtier.layout import round_up
 from kvtier.stores.host import HostSlab
+from kvtier.timing import summary
 
 MiB = 1 << 20
 
@@ -123,7 +123,7 @@ def _paired(sides: dict[str, Callable[[], object]], reps: int) -> dict[str, list
 
 
 def _summary(times: dict[str, list[float]], nbytes: int, ours: str, base: str) -> dict:
-    """`kvtier.bench.timing.summary` of two of the sides."""
+    """`kvtier.timing.summary` of two of the sides."""
     return summary({"ours_s": times[ours], "baseline_s": times[base]}, nbytes)
 
 

@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import torch
 
-from kvtier.bench.timing import alternate, fresh_keys, summary
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
 from kvtier.layout import round_up
+from kvtier.timing import alternate, fresh_keys, summary
 
 TOKEN_BYTES = 2 * 8 * 128 * 2  # K and V, 8 heads of 128, bf16: one token of one layer
 

@@ -9,12 +9,12 @@ import math
 import time
 from collections.abc import Callable
 
-from kvtier.bench.timing import alternate, fresh_keys, summary
 from kvtier.directory import Directory, TierSpec
 from kvtier.keys import chain_keys
 from kvtier.layout import ALIGN
-from kvtier.sim.replay import complete_instantly
+from kvtier.sim.instant_mover import complete_instantly
 from kvtier.stores.base import TierKind
+from kvtier.timing import alternate, fresh_keys, summary
 
 
 def lookup_case(
@@ -67,5 +67,5 @@ def lookup_case(
     return {
         "directory_blocks": n_blocks, "prompt_tokens": prompt_tokens, "by_block_tokens": by_size,
         "build_s": build_s,
-        "build": "plan_store + kvtier.sim.replay.complete_instantly, chains of 8192 random keys, gc disabled",
+        "build": "plan_store + kvtier.sim.instant_mover.complete_instantly, chains of 8192 random keys, gc disabled",
     }

@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from kvtier.bench.timing import alternate, summary
 from kvtier.directory import CALLER, Op, Step
 from kvtier.mover.copy import ready_event
 from kvtier.mover.handlers import CallerIO, CallerToSlot, SlotToCaller
 from kvtier.mover.pages import Pages
 from kvtier.stores.host import HostSlab
+from kvtier.timing import alternate, summary
 
 KiB = 1 << 10
 GEOMETRIES = {  # name: (pages per engine block, page bytes, engine blocks per kvtier block)

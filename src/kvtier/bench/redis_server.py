@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -19,15 +18,11 @@ from pathlib import Path
 
 import redis
 
+from kvtier.rollout.server import free_port
+
 
 def redis_server_binary() -> str | None:
     return shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

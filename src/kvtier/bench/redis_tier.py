@@ -2,7 +2,7 @@
 
 For 256 KiB, 1 MiB and 4 MiB blocks: the tier's `put_many` / `get_many` (header, checksums, accounting
 script, copy into the caller's buffer) against a raw redis-py pipeline of SET / GET of the same payloads.
-Sides alternate (`kvtier.bench.timing.alternate`: a warm-up round, then ABBA) so that drift on a shared machine
+Sides alternate (`kvtier.timing.alternate`: a warm-up round, then ABBA) so that drift on a shared machine
 hits both alike; we report the median of the paired runs' ratios (target >= 0.9), with each side's median
 throughput beside it. The server is emptied before each side's puts, so that both store into the same state:
 storing makes the server fault in and zero new pages, about half of its CPU time (benchmarks/README.md). Starts
@@ -22,9 +22,9 @@ import torch
 from redis.utils import HIREDIS_AVAILABLE
 
 from kvtier.bench.redis_server import throwaway_redis
-from kvtier.bench.timing import alternate, timed
 from kvtier.stores.base import ReadStatus
 from kvtier.stores.redis import PutStatus, RedisStore
+from kvtier.timing import alternate, timed
 
 SIZES = {"256KiB": 256 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
 NAMESPACE = "0" * 32

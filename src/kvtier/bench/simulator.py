@@ -1,11 +1,11 @@
-"""Simulator benchmark: kvtier's miss-ratio curve and fast replay against libCacheSim, in the same run.
+"""Simulator benchmark: kvtier's miss-ratio curve and policy replay against libCacheSim, in the same run.
 
 - mrc_vs_libcachesim        time for the whole LRU miss-ratio curve of the Mooncake conversation trace (every
                             capacity, `lru_mrc` over the parsed requests) / time libCacheSim's C simulator
                             (`process_trace` over the same block sequence, pre-converted to its binary
                             oracleGeneral format, hash table sized to the trace) needs for 10 capacities.
                             Target < 1. The hit counts of both at those 10 capacities must agree exactly.
-- replay_*_accesses_per_s   `fast_replay` of kvtier's LRU, ARC and S3-FIFO by name (compiled, conversion of the
+- replay_*_accesses_per_s   `policy_replay` of kvtier's LRU, ARC and S3-FIFO by name (compiled, conversion of the
                             requests included; compilation is timed apart, `replay_compile_s`), beside
                             the same replay through the runtime's policy objects (`replay_*_objects_...`, whose
                             results must be equal: `replay_*_equals_objects`) and libCacheSim's speed on the
@@ -35,11 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.bench.timing import timed
 from kvtier.policies import make_policy
-from kvtier.sim.fast_replay import FastReplayResult, fast_replay
+from kvtier.sim.policy_replay import PolicyReplayResult, policy_replay
 from kvtier.sim.mrc import lru_mrc
-from kvtier.traces.locate import shared_traces_dir
+from kvtier.timing import timed
+from kvtier.traces.locate import SOURCES, public_trace
 from kvtier.traces.mooncake import read_mooncake
 from kvtier.traces.request import TraceRequest
 
@@ -52,15 +52,15 @@ POLICIES = ("lru", "arc", "s3fifo")
 
 
 def default_trace() -> Path:
-    """The Mooncake conversation trace in the shared traces folder (see `traces.locate`)."""
-    return shared_traces_dir() / TRACE_NAME
+    """The Mooncake conversation trace in the public traces' folder, $KVTIER_TRACES_DIR (`traces.locate`)."""
+    return public_trace(TRACE_NAME)
 
 
 def run(quick: bool = False, trace: str | Path | None = None) -> dict[str, Any]:
     """Every figure of the simulator benchmark, as a dict. `quick`: fewer repeats and a shorter replay."""
     path = Path(trace) if trace is not None else default_trace()
     if not path.exists():
-        raise FileNotFoundError(f"{path}: the Mooncake conversation trace (set KVTIER_TRACES_DIR to its folder)")
+        raise FileNotFoundError(f"{path}: no such file; the Mooncake conversation trace is at {SOURCES[TRACE_NAME]}")
     repeats = 3 if quick else 7
     started = time.perf_counter()
     requests = list(read_mooncake(path))
@@ -84,7 +84,7 @@ def run(quick: bool = False, trace: str | Path | None = None) -> dict[str, Any]:
     replay_requests = requests if not quick else _first_accesses(requests, 60_000)
     replay_blocks = blocks[: sum(len(r.blocks) for r in replay_requests)]
     capacity = REPLAY_CAPACITY_TOKENS // requests[0].block_tokens
-    result["replay_compile_s"] = timed(lambda: [fast_replay(replay_requests[:1], p, capacity) for p in POLICIES])[0]
+    result["replay_compile_s"] = timed(lambda: [policy_replay(replay_requests[:1], p, capacity) for p in POLICIES])[0]
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-sim-") as tmp:
         if libcachesim is None:
             result |= _mrc_alone(requests, repeats)
@@ -184,7 +184,7 @@ def _replay_case(requests: list[TraceRequest], oracle: _Oracle, capacity: int, r
     out: dict[str, Any] = {}
     for policy in POLICIES:
         runs = {
-            "ours": partial(fast_replay, requests, policy, capacity),
+            "ours": partial(policy_replay, requests, policy, capacity),
             "objects": partial(_through_objects, requests, policy, capacity),
             "c": partial(oracle.c_hits, policy, capacity),
             "python": partial(oracle.python_hits, policy, capacity),
@@ -215,15 +215,15 @@ def _replay_alone(requests: list[TraceRequest], capacity: int, repeats: int) -> 
     n = sum(len(r.blocks) for r in requests)
     out: dict[str, Any] = {}
     for policy in POLICIES:
-        run_once = partial(fast_replay, requests, policy, capacity)
+        run_once = partial(policy_replay, requests, policy, capacity)
         out[f"replay_{policy}_accesses_per_s"] = statistics.median(n / timed(run_once)[0] for _ in range(repeats))
         out[f"replay_{policy}_equals_objects"] = run_once() == _through_objects(requests, policy, capacity)
     return out
 
 
-def _through_objects(requests: list[TraceRequest], policy: str, capacity: int) -> FastReplayResult:
+def _through_objects(requests: list[TraceRequest], policy: str, capacity: int) -> PolicyReplayResult:
     """The same replay through the runtime's policy objects: the reference the compiled one must equal."""
-    return fast_replay(requests, make_policy(policy, capacity))
+    return policy_replay(requests, make_policy(policy, capacity))
 
 
 def _first_accesses(requests: list[TraceRequest], accesses: int) -> list[TraceRequest]:

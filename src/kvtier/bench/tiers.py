@@ -12,7 +12,7 @@
 - lookup_keys_per_s Directory.lookup of a fully cached 128k-token prompt (16- and 256-token blocks) in a
                     warm directory of 1M blocks; a Python loop of dict.get over the same keys is the baseline.
 
-Ours and the baseline alternate (ABBA) so that they share the machine's noise (`kvtier.bench.timing`);
+Ours and the baseline alternate (ABBA) so that they share the machine's noise (`kvtier.timing`);
 figures are medians of the paired ratios, and both sides' raw throughputs are reported too. Then the
 simulator (`kvtier.bench.simulator`) and the Redis tier (`kvtier.bench.redis_tier`). benchmarks/README.md
 says more.
@@ -39,7 +39,7 @@ from kvtier.bench.host import host_case
 from kvtier.bench.lookup import lookup_case
 from kvtier.bench.pages import GEOMETRIES, pages_case
 from kvtier.bench.tables import print_redis, print_simulator, print_tiers, size_name
-from kvtier.bench.timing import cpu_busy, machine, others_load
+from kvtier.timing import cpu_busy, machine, others_load
 
 KiB, MiB = 1 << 10, 1 << 20
 TARGETS = {"host_vs_copy": 0.9, "disk_write_vs_raw": 0.9, "disk_read_vs_raw": 0.9, "lookup_keys_per_s": 1_000_000}

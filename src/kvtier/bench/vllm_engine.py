@@ -15,8 +15,8 @@ in the same run on the same machine. Medians over several prompts; one fresh eng
                                     `auto`: no block comes back, so none seen once is demoted)
 - p99_ttft_no_reuse_disk_1st_sighting_on_vs_off  the same with every unique block demoted (`min_sightings: 1`)
 - ttft_slow_disk_auto_vs_recompute  eight 2k-token prefixes served once (they end up on disk), then in turn with
-                                    every disk read slowed on purpose (`bench.slow_disk`): TTFT with the decision
-                                    (`load_policy: auto`) ÷ recomputing (kvtier off), the median of the
+                                    every disk read slowed on purpose (`rollout.faults.slow_reads`): TTFT with the
+                                    decision (`load_policy: auto`) ÷ recomputing (kvtier off), the median of the
                                     requests' paired ratios (the same prompt at the same position)
 - ttft_slow_disk_always_vs_recompute  the same, loading every block found (`load_policy: always`)
 
@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.redis_server import throwaway_redis
-from kvtier.bench.timing import percentile
 from kvtier.rollout.server import temp_env
+from kvtier.timing import percentile
 
 PROMPT = 4032  # tokens: a ~4k prefix and the last engine block, within the tiny model's 4,096 positions
 FILLER = 2048
@@ -49,10 +49,6 @@ ROUNDS = 6  # of the no-reuse comparison: fresh engines differ by several percen
 # even, so that each order of the engines runs as often
 BLOCK_NBYTES = 2 * 128 * 2048  # a 256-token block of the tiny model
 SLOW_PROMPTS, SLOW_REQUESTS, SLOW_DELAY_S = 8, 24, 0.3  # prefixes, requests served slowed, seconds per disk read
-
-
-def p99(values: list[float]) -> float:
-    return percentile(values, 0.99)
 
 
 def _tokens(seed: str, n: int) -> list[int]:
@@ -109,11 +105,11 @@ def _slow_disk_main(model: str, config_json: str, out_path: str) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvtier.bench.slow_disk import install
     from kvtier.integrations.vllm.tiny_model import start_engine
+    from kvtier.rollout.faults import slow_reads
 
     delay = Path(out_path).with_suffix(".delay")
-    install(delay)
+    slow_reads(delay)
     llm = start_engine(model, json.loads(config_json))
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False)
     prompts = [_tokens(f"slow-{i}", FILLER) + _tokens(f"suffix-{i}", 64) for i in range(SLOW_PROMPTS)]
@@ -177,7 +173,8 @@ def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
             config = {"cpu_bytes_to_use": 16 * BLOCK_NBYTES, "load_policy": policy, "secondary_tiers": [every]}
             slow[policy] = engine(f"slow disk, load_policy {policy}", "slow", config)
     med = {name: {k: statistics.median(v) for k, v in r.items() if v} for name, r in runs.items()}
-    p99_ratios = {on: [p99(r[on]) / p99(r["off"]) for r in no_reuse] for on in ("host", "disk", "disk_default")}
+    p99_ratios = {on: [percentile(r[on], 0.99) / percentile(r["off"], 0.99) for r in no_reuse]
+                  for on in ("host", "disk", "disk_default")}
     engine_hit_ratios = [a / b for a, b in zip(runs["host"]["restored"], runs["host"]["engine_hit"])]  # per prompt
     slow_ratios = {policy: [a / b for a, b in zip(slow[policy]["ttft"], slow["recompute"]["ttft"])]
                    for policy in ("auto", "always")}
@@ -197,8 +194,8 @@ def run_vllm_bench(json_path: str | None = None, console: Any = None) -> dict:
                       "ratio_p10_p90": {p: [percentile(v, 0.1), percentile(v, 0.9)] for p, v in slow_ratios.items()},
                       "ttft_ms_median": {n: 1e3 * statistics.median(r["ttft"]) for n, r in slow.items()},
                       "served_from_disk": {n: sum(c > 0 for c in r["cached"]) for n, r in slow.items()}},
-        "no_reuse_ttft_ms": [{name: {"p50": 1e3 * statistics.median(v), "p99": 1e3 * p99(v)} for name, v in r.items()}
-                             for r in no_reuse],
+        "no_reuse_ttft_ms": [{name: {"p50": 1e3 * statistics.median(v), "p99": 1e3 * percentile(v, 0.99)}
+                              for name, v in r.items()} for r in no_reuse],
         "ttft_ms": {name: {k: 1e3 * v for k, v in m.items() if k != "restored_cached"} for name, m in med.items()},
         "restored_cached_tokens": {name: r["restored_cached"] for name, r in runs.items()},
         "targets": {"ttft_host_vs_recompute": 0.3, "ttft_disk_vs_recompute": 0.3, "ttft_host_vs_engine_hit": 1.2,

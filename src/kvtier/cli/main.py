@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 from kvtier import __version__
-from kvtier.cli import plan_command, rollout_command
-from kvtier.cli import trace_commands as decide
+from kvtier.cli import plan_command, rollout_command, trace_commands
 from kvtier.config import ConfigError, for_engine, parse_config
 
 EXIT_BAD_INPUT = 2
@@ -25,7 +24,7 @@ commands:
   config   validate a kvtier config file (the JSON you pass as kv_connector_extra_config)
   plan     split the memory budget (weights, workspace, engine KV; host and disk tiers) and print the flags
   tiny-model  write a servable tiny model (random weights, a locally trained tokenizer, a chat template)
-""" + decide.HELP
+""" + trace_commands.HELP
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
                           "serve: a 4-layer Llama with random weights and a word-level tokenizer trained here "
                           "(deterministic), with a chat template. `vllm serve DIR` serves it on the CPU.")
     tiny.add_argument("dir", type=Path, help="the folder to write (created)")
-    decide.add_commands(sub)
+    trace_commands.add_commands(sub)
     plan_command.add(sub)
     return parser
 
@@ -82,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_BAD_INPUT
     try:
-        if args.command in decide.COMMANDS:
-            return decide.run(args)
+        if args.command in trace_commands.COMMANDS:
+            return trace_commands.run(args)
         if args.command == "config":
             return _config(args)
         if args.command == "plan":

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from kvtier.rollout.run import STEPS
+from kvtier.rollout.harness import STEPS
 
 DESCRIPTION = """\
 The seven-step rollout, one change at a time, against a real OpenAI-compatible server over HTTP:
@@ -53,7 +53,7 @@ def common(parser: argparse.ArgumentParser, requests: int) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvtier.report import readable_console
     from kvtier.rollout.present import tables, write_html
-    from kvtier.rollout.run import Options
+    from kvtier.rollout.harness import Options
     from kvtier.rollout.run import run as run_rollout
 
     try:

@@ -175,7 +175,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from kvtier.config import parse_guard
     from kvtier.sim.configs import SimConfig, builtin_configs, load_config_file
     from kvtier.sim.present import simulation_report
-    from kvtier.sim.simulate import Deployment, auto_instances, simulate
+    from kvtier.sim.simulate import ServingSetup, auto_instances, simulate
 
     if args.instances is not None and args.instances <= 0:
         raise ValueError(f"--instances must be > 0, got {args.instances}")
@@ -201,8 +201,8 @@ def _simulate(args: argparse.Namespace) -> int:
     else:
         configs = builtin_configs(block_tokens, int(args.host_gib * GiB), int(args.disk_gib * GiB),
                                   any(r.priority is not None for r in requests))
-    dep = Deployment(cost, block_tokens, int(args.engine_kv_gib * GiB),
-                     args.instances or auto_instances(requests, cost))
+    setup = ServingSetup(cost, block_tokens, int(args.engine_kv_gib * GiB),
+                         args.instances or auto_instances(requests, cost))
     err = Console(stderr=True)
     with progress_bar(err, total=True) as progress:
         task = progress.add_task(f"replaying {len(configs)} configurations", total=len(requests) * len(configs))
@@ -213,8 +213,8 @@ def _simulate(args: argparse.Namespace) -> int:
             if not step[0] % 500:
                 progress.update(task, completed=step[0])
 
-        results = simulate(requests, configs, dep, on_request=advance, guard=guard)
-    report = simulation_report(str(args.trace), results, dep, notes)
+        results = simulate(requests, configs, setup, on_request=advance, guard=guard)
+    report = simulation_report(str(args.trace), results, setup, notes)
     report.data["seconds"] = time.perf_counter() - started
     _emit(report, args)
     return 0

@@ -44,8 +44,8 @@ def compute_kv(key: bytes, shape: Sequence[int]) -> torch.Tensor:
     return torch.randn(shape, generator=gen).to(torch.bfloat16)
 
 
-class EngineCache:
-    """The engine's own prefix cache (tier 0): an LRU of blocks, longest-prefix hits."""
+class DemoEngineCache:
+    """The demo's engine stand-in, its own prefix cache (tier 0): an LRU of blocks' KV, longest-prefix hits."""
 
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity = capacity_blocks
@@ -90,7 +90,7 @@ class RunResult:
 
 def run_one(name: str, requests: Sequence[Request], config: KVTierConfig | None, progress: Progress | None) -> RunResult:
     shape = block_shape(DEMO_LAYOUT, BLOCK_TOKENS)
-    engine = EngineCache(ENGINE_BLOCKS)
+    engine = DemoEngineCache(ENGINE_BLOCKS)
     cache = TieredCache(config, shape, torch.bfloat16, model="demo: the KV is a function of its key") if config else None
     result = RunResult(name)
     task = progress.add_task(name, total=len(requests)) if progress else None

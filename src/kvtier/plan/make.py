@@ -56,7 +56,7 @@ class PlanInputs:
 
 
 @dataclass
-class Plan:
+class MemoryPlan:
     inputs: PlanInputs
     model: ModelSpec
     gpu: GpuPlan
@@ -78,7 +78,7 @@ class Plan:
                                                        for k, v in i.__dict__.items()}}
 
 
-def make_plan(i: PlanInputs, on_request: Callable[[], None] | None = None) -> Plan:
+def make_plan(i: PlanInputs, on_request: Callable[[], None] | None = None) -> MemoryPlan:
     """`on_request` is called for each request the replay of a trace simulates (a progress bar)."""
     _check_inputs(i)
     model = load_model(i.model, i.weight_dtype, i.kv_dtype)
@@ -96,14 +96,14 @@ def make_plan(i: PlanInputs, on_request: Callable[[], None] | None = None) -> Pl
     slab_fixed = None if i.slab_gib is None else int(i.slab_gib * GiB)
     disk = int(i.disk_gib * GiB * kv_per_slab_byte)  # every rank writes its own shard of a block to disk
     if requests:
-        sizes = tiers.from_trace(requests, _cost(model, i), engine, int(available * kv_per_slab_byte), disk,
-                                 i.ttft_budget_ms / 1e3,
-                                 None if slab_fixed is None else int(slab_fixed * kv_per_slab_byte), str(i.trace),
-                                 on_request)
+        sizes = tiers.sizes_from_trace(requests, _cost(model, i), engine, int(available * kv_per_slab_byte), disk,
+                                       i.ttft_budget_ms / 1e3,
+                                       None if slab_fixed is None else int(slab_fixed * kv_per_slab_byte),
+                                       str(i.trace), on_request)
         slab_request = slab_fixed if slab_fixed is not None else int(sizes.host / kv_per_slab_byte)
     else:
         slab_request = slab_fixed if slab_fixed is not None else available
-        sizes = tiers.without_trace(engine, int(slab_request * kv_per_slab_byte), disk)
+        sizes = tiers.sizes_without_trace(engine, int(slab_request * kv_per_slab_byte), disk)
     host = plan_host(model, i.tp, block_tokens, slab_request if sizes.offload else 0, *host_budget)
     sizes.host = int(host.slab_bytes * kv_per_slab_byte)
     transfer = None
@@ -115,7 +115,7 @@ def make_plan(i: PlanInputs, on_request: Callable[[], None] | None = None) -> Pl
                                i.max_batched_tokens, transfer, i.cpu_offload_gib)
     trtllm = flags.trtllm_kv_cache_config(gpu, host if sizes.offload else None, i.tp)
     warning = flags.weight_offload_warning(int(i.cpu_offload_gib * GiB), i.pcie_gbs * GB, i.itl_ms / 1e3)
-    return Plan(i, model, gpu, host, sizes, serve, trtllm, transfer, [warning] if warning else [])
+    return MemoryPlan(i, model, gpu, host, sizes, serve, trtllm, transfer, [warning] if warning else [])
 
 
 def _gpu(i: PlanInputs, model: ModelSpec) -> GpuPlan:

@@ -4,11 +4,11 @@ per device and for the host."""
 from __future__ import annotations
 
 from kvtier.plan.budget import WORKSPACE_ASSUMPTION, GiB
-from kvtier.plan.make import Plan
+from kvtier.plan.make import MemoryPlan
 from kvtier.report import Heading, Plot, Report, Table, Text, fmt_bytes, fmt_share
 
 
-def plan_report(plan: Plan) -> Report:
+def plan_report(plan: MemoryPlan) -> Report:
     m, g, h, s, tp = plan.model, plan.gpu, plan.host, plan.sizes, plan.inputs.tp
     report = Report(f"kvtier plan — {m.name}", data=plan.as_dict())
     report.add(Text(f"{m.params.total / 1e9:,.2f} B parameters ({m.params.active / 1e9:,.2f} B active), "
@@ -59,7 +59,7 @@ def _rows(*parts: tuple[str, int]) -> list[list[str]]:
     return [[name, f"{v:,}", f"{v / GiB:,.2f}"] for name, v in parts]
 
 
-def _tier_rows(plan: Plan) -> list[list[str]]:
+def _tier_rows(plan: MemoryPlan) -> list[list[str]]:
     s = plan.sizes
     rows = []
     for name, size, key in (("engine", s.engine, "engine"), ("host", s.host, "engine + host"),
@@ -76,7 +76,7 @@ PARTS = (("weights", "#4c72b0"), ("workspace", "#8172b2"), ("engine KV", "#55a86
          ("kvtier slab", "#64b5cd"), ("free", "#dddddd"))
 
 
-def _bars(ax, plan: Plan) -> None:
+def _bars(ax, plan: MemoryPlan) -> None:
     g, h = plan.gpu, plan.host
     rows = {
         f"each GPU (x{plan.inputs.tp})": {"weights": g.weights_bytes, "workspace": g.workspace_bytes,

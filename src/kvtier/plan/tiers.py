@@ -56,13 +56,13 @@ def host_check(engine: int, host: int) -> Check:
                  f"engine's {engine / GiB:,.1f} GiB")
 
 
-def without_trace(engine: int, host: int, disk: int) -> TierSizes:
+def sizes_without_trace(engine: int, host: int, disk: int) -> TierSizes:
     return TierSizes(engine, host, disk, checks=[host_check(engine, host)])
 
 
-def from_trace(requests: Sequence[TraceRequest], cost: CostModel, engine: int, host_available: int,
-               disk_available: int, ttft_budget_s: float, host_fixed: int | None = None, source: str = "",
-               on_request: Callable[[], None] | None = None) -> TierSizes:
+def sizes_from_trace(requests: Sequence[TraceRequest], cost: CostModel, engine: int, host_available: int,
+                     disk_available: int, ttft_budget_s: float, host_fixed: int | None = None, source: str = "",
+                     on_request: Callable[[], None] | None = None) -> TierSizes:
     """Sizes at the knee, capped by what the host and the disk can give (`host_fixed`: the slab is set)."""
     analysis = analyze(requests, Deployment(cost, engine, host_available, disk_available, ttft_budget_s), source)
     knee = analysis.bytes_for(KNEE_SHARE)
@@ -87,8 +87,7 @@ def from_trace(requests: Sequence[TraceRequest], cost: CostModel, engine: int, h
 def _replay(requests: list[TraceRequest], analysis: Analysis, sizes: TierSizes,
             on_request: Callable[[], None] | None) -> dict[str, float]:
     from kvtier.sim.configs import DISK_ROOT, SimConfig, host_config
-    from kvtier.sim.simulate import Deployment as SimDeployment
-    from kvtier.sim.simulate import auto_instances, simulate
+    from kvtier.sim.simulate import ServingSetup, auto_instances, simulate
 
     block_tokens = analysis.block_tokens
     host = host_config(block_tokens, sizes.host)
@@ -97,5 +96,5 @@ def _replay(requests: list[TraceRequest], analysis: Analysis, sizes: TierSizes,
         disk = {"type": "fs", "root_dir": DISK_ROOT, "max_bytes": sizes.disk}
         configs.append(SimConfig("engine + host + disk", {**host, "secondary_tiers": [disk]}))
     cost = analysis.deployment.cost
-    dep = SimDeployment(cost, block_tokens, sizes.engine, auto_instances(requests, cost))
-    return {r.name: r.hit_ratio for r in simulate(requests, configs, dep, on_request=on_request)}
+    setup = ServingSetup(cost, block_tokens, sizes.engine, auto_instances(requests, cost))
+    return {r.name: r.hit_ratio for r in simulate(requests, configs, setup, on_request=on_request)}

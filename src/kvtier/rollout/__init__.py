@@ -1,1 +1,2 @@
-"""`kvtier rollout`: the seven-step method against a real OpenAI-compatible server (`run` has the steps)."""
+"""`kvtier rollout`: the seven-step method against a real OpenAI-compatible server (`run` starts it, `steps` has
+the steps)."""

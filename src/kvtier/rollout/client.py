@@ -41,14 +41,14 @@ class Result:
         return {k: getattr(self, k) for k in fields} | {"itl_mean": sum(self.itl) / len(self.itl) if self.itl else 0.0}
 
 
-def run(url: str, model: str, prompts: Sequence[Prompt], rate: float | None, seed: int = 0,
-        on_done: Callable[[], None] | None = None, timeout_s: float = 600) -> list[Result]:
+def send(url: str, model: str, prompts: Sequence[Prompt], rate: float | None, seed: int = 0,
+         on_done: Callable[[], None] | None = None, timeout_s: float = 600) -> list[Result]:
     """Send `prompts`: at Poisson arrivals of `rate` per second, or one at a time when `rate` is None."""
-    return asyncio.run(_run(url, model, prompts, rate, seed, on_done, timeout_s))
+    return asyncio.run(_send(url, model, prompts, rate, seed, on_done, timeout_s))
 
 
-async def _run(url: str, model: str, prompts: Sequence[Prompt], rate: float | None, seed: int,
-               on_done: Callable[[], None] | None, timeout_s: float) -> list[Result]:
+async def _send(url: str, model: str, prompts: Sequence[Prompt], rate: float | None, seed: int,
+                on_done: Callable[[], None] | None, timeout_s: float) -> list[Result]:
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=timeout_s)

@@ -15,15 +15,12 @@ from __future__ import annotations
 import random
 import shutil
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier.integrations.vllm.tiny_model import ENGINE_BLOCK_TOKENS, ENGINE_BLOCKS
 from kvtier.rollout import client, faults
-from kvtier.rollout.run import BLOCK_NBYTES, BLOCK_TOKENS
-
-if TYPE_CHECKING:
-    from kvtier.rollout.run import Rollout
-    from kvtier.rollout.server import Server
+from kvtier.rollout.harness import BLOCK_NBYTES, BLOCK_TOKENS, Rollout
+from kvtier.rollout.server import Server
 
 DISK_ENABLED = 'kvtier_tier_enabled{tier="disk"}'
 
@@ -96,7 +93,7 @@ def rollback(ro: Rollout, server: Server, budget_ms: float) -> dict:
                 faults.set_read_delay(ro.root, 0)
             began, reached, i = time.monotonic(), None, 0
             while time.monotonic() - began < limit_s:
-                result = client.run(server.url, server.model or "", [prompts[i % len(prompts)]], None)[0]
+                result = client.send(server.url, server.model or "", [prompts[i % len(prompts)]], None)[0]
                 on = server.metrics("kvtier_tier_enabled").get(DISK_ENABLED, 1.0) == 1.0
                 timeline.append({"t": time.monotonic() - start, "phase": phase, "ttft_ms": 1e3 * result.ttft,
                                  "error": result.error, "disk_enabled": on})

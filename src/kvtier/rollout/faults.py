@@ -3,12 +3,20 @@ production): the secondary tier's file system full (every disk write fails with 
 in the write of the block file) and a slow disk (every block read sleeps first). Python runs the hook at
 startup in every process of the server, through a `sitecustomize` on PYTHONPATH; the drill turns a fault on
 and off by writing files in a control folder, while the server runs.
+
+The slow disk is also a hook of its own, for the guard's and the decision's engine tests and benchmarks, which
+start the engine in their own process: every block read sleeps for the seconds written in a file first, so a
+running engine's disk can be slowed and healed by rewriting the file (0 or a missing file: full speed).
+
+    slow_reads(Path("/tmp/delay"))   # in the engine's process, before the engine starts
+    Path("/tmp/delay").write_text("0.4")
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 HOOK = """import os
@@ -38,7 +46,6 @@ def set_read_delay(root: Path, seconds: float) -> None:
 
 def install(control: str) -> None:
     import kvtier.stores.disk as disk
-    from kvtier.bench.slow_disk import install as slow_reads
 
     slow_reads(Path(control) / "read_delay_s")
     full, transfer = Path(control) / "full", disk.transfer
@@ -49,3 +56,20 @@ def install(control: str) -> None:
         return transfer(fn, fd, bufs, offset)
 
     disk.transfer = maybe_full
+
+
+def slow_reads(delay_file: Path) -> None:
+    from kvtier.stores.disk import DiskStore
+
+    read = DiskStore.read
+
+    def slow_read(self, key, into):  # type: ignore[no-untyped-def]
+        try:
+            delay = float(delay_file.read_text() or 0)
+        except (OSError, ValueError):
+            delay = 0.0
+        if delay > 0:
+            time.sleep(delay)
+        return read(self, key, into)
+
+    DiskStore.read = slow_read  # type: ignore[method-assign]

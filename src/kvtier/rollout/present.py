@@ -3,7 +3,6 @@ against concurrency, prompt tokens by source, the rollback drill's timeline)."""
 
 from __future__ import annotations
 
-import base64
 import html
 import io
 from pathlib import Path
@@ -95,7 +94,7 @@ def write_html(report: dict, path: Path) -> None:
         _finish(ax, "seconds", "TTFT (ms)", "rollback drill: slow disk (red: the guard has the disk off; dashed: "
                 "its budget)", legend=False)
         figures.append(_png(fig))
-    texts = "".join(f"<pre>{html.escape(_plain(t))}</pre>" for t in tables(report))
+    texts = "".join(f"<pre>{html.escape(_text(t))}</pre>" for t in tables(report))
     images = "".join(f'<img src="data:image/png;base64,{f}">' for f in figures)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"<!doctype html><meta charset=utf-8><title>kvtier rollout</title><h1>kvtier rollout</h1>"
@@ -116,13 +115,15 @@ def _finish(ax: Any, xlabel: str, ylabel: str, title: str, log: bool = False, le
 def _png(fig: Any) -> str:
     import matplotlib.pyplot as plt
 
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
+    from kvtier.report import png_base64
+
+    try:
+        return png_base64(fig, dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
 
 
-def _plain(renderable: Any) -> str:
+def _text(renderable: Any) -> str:
     from rich.console import Console
 
     console = Console(width=200, record=True, file=io.StringIO())

@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from kvtier.demo import exactness
-from kvtier.rollout import drills, faults
 from kvtier.integrations.vllm.tiny_model import ENGINE_BLOCK_TOKENS, ENGINE_BLOCKS
-from kvtier.rollout.run import KV_BYTES_PER_TOKEN, Rollout, budget_from, drill_budget_from, quantiles
+from kvtier.rollout import drills, exactness, faults
+from kvtier.rollout.harness import KV_BYTES_PER_TOKEN, Rollout, budget_from, drill_budget_from, quantiles
 from kvtier.rollout.server import ENGINE_ENV
 
 

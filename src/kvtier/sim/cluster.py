@@ -1,7 +1,7 @@
 """N engines, each with its own cache, with and without a shared tier: the Mooncake Figure 10 question.
 
 Each engine (a prefill node) has a local cache of `capacity_blocks` blocks, ordered by one of kvtier's own
-eviction policies, driven exactly as `fast_replay` drives one cache: a request's blocks are accessed in order,
+eviction policies, driven exactly as `policy_replay` drives one cache: a request's blocks are accessed in order,
 a hit is `touch`, a miss evicts the first of `candidates()` when the cache is full and `insert`s. Three modes:
 
 - `local`:  a request hits only the cache of the engine it is routed to (no sharing).
@@ -29,7 +29,7 @@ The clock, as in Figure 10 (outputs limited to one token): requests arrive at th
 prefills one request at a time, first come first served. A request's service = load + prefill: its local hit
 crosses PCIe, its remote hit crosses the network then PCIe (pipelined: the slower link sets the time), and the
 rest is prefilled by `CostModel.prefill_seconds(new, cached)`. TTFT = queue wait + service. A request's blocks
-enter the caches when it is routed (as in `fast_replay`), not when its prefill ends. No torch, no vLLM.
+enter the caches when it is routed (as in `policy_replay`), not when its prefill ends. No torch, no vLLM.
 
 The tables of docs/scaling.md come from `python -m kvtier.bench.cluster`.
 """
@@ -108,7 +108,7 @@ class ClusterResult:
 
 
 class _Cache:
-    """One cache of blocks in the order of a kvtier policy, accessed as `fast_replay` accesses it."""
+    """One cache of blocks in the order of a kvtier policy, accessed as `policy_replay` accesses it."""
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self.p, self.size = policy, 0

@@ -17,18 +17,19 @@ from kvtier.report import (
     fmt_seconds,
     fmt_share,
 )
-from kvtier.sim.simulate import ENGINE, Deployment, SimResult, recommend
+from kvtier.sim.simulate import ENGINE, ServingSetup, SimResult, recommend
 
 SOURCES = (ENGINE, "host", "disk")
 
 
-def simulation_report(source: str, results: Sequence[SimResult], dep: Deployment, notes: Sequence[str] = ()) -> Report:
+def simulation_report(source: str, results: Sequence[SimResult], setup: ServingSetup,
+                      notes: Sequence[str] = ()) -> Report:
     choice, reasons = recommend(results)
-    c = dep.cost
+    c = setup.cost
     transfer = choice.config.kv_transfer_config()
     assumptions = {
-        "model": c.layout.name, "block_tokens": dep.block_tokens, "block_bytes": dep.block_bytes,
-        "engine_kv_bytes": dep.engine_kv_bytes, "instances": dep.instances,
+        "model": c.layout.name, "block_tokens": setup.block_tokens, "block_bytes": setup.block_bytes,
+        "engine_kv_bytes": setup.engine_kv_bytes, "instances": setup.instances,
         "prefill_flops_per_s": c.flops_per_s, "itl_s": c.itl_s,
         "links": {link.name: {"bytes_per_s": link.bytes_per_s, "latency_s": link.latency_s} for link in c.links},
     }
@@ -38,9 +39,9 @@ def simulation_report(source: str, results: Sequence[SimResult], dep: Deployment
     })
     links = ", ".join(f"{link.name} {link.bytes_per_s / 1e9:g} GB/s" for link in c.links)
     report.add(Text(
-        f"{results[0].requests:,} requests, model {c.layout.name} ({fmt_bytes(dep.block_bytes)} per "
-        f"{dep.block_tokens}-token block), engine KV {fmt_bytes(dep.engine_kv_bytes)} "
-        f"({dep.engine_blocks:,} blocks), {dep.instances} prefill server(s) at {c.flops_per_s / 1e12:g} TFLOP/s, "
+        f"{results[0].requests:,} requests, model {c.layout.name} ({fmt_bytes(setup.block_bytes)} per "
+        f"{setup.block_tokens}-token block), engine KV {fmt_bytes(setup.engine_kv_bytes)} "
+        f"({setup.engine_blocks:,} blocks), {setup.instances} prefill server(s) at {c.flops_per_s / 1e12:g} TFLOP/s, "
         f"{links}, decode {fmt_seconds(c.itl_s)} per token."), *[Text(f"note: {n}", "yellow") for n in notes])
     report.add(
         Heading("Configurations side by side"),

@@ -34,13 +34,13 @@ from kvtier.config import GuardConfig
 from kvtier.control import Control
 from kvtier.decide import Decider
 from kvtier.directory import CALLER, Directory
-from kvtier.guard import State, Transition, request_source
+from kvtier.guard import TierState, Transition, request_source
 from kvtier.policies.base import DEFAULT_PRIORITY
 from kvtier.sim.configs import SimConfig
 from kvtier.sim.cost import CostModel
 from kvtier.sim.engine import EngineCache
 from kvtier.sim.parallel import map_configs
-from kvtier.sim.replay import complete_instantly
+from kvtier.sim.instant_mover import complete_instantly
 from kvtier.sizing import tier_specs
 from kvtier.stores.base import TierKind
 from kvtier.traces.request import TraceRequest
@@ -52,8 +52,9 @@ ENGINE = "engine"
 
 
 @dataclass(frozen=True)
-class Deployment:
-    """Everything simulated besides the kvtier config: the model's costs, the engine's KV memory, servers."""
+class ServingSetup:
+    """What serves the trace, everything simulated besides the kvtier config: the model's costs, its block size,
+    the engine's KV memory, the prefill servers."""
 
     cost: CostModel
     block_tokens: int
@@ -91,9 +92,9 @@ class SimResult:
         spans: list[tuple[str, float, float | None]] = []
         open_since: dict[str, float] = {}
         for t in self.guard:
-            if t.to is State.OFF and t.tier not in open_since:
+            if t.to is TierState.OFF and t.tier not in open_since:
                 open_since[t.tier] = t.at
-            elif t.to is State.ON and t.tier in open_since:
+            elif t.to is TierState.ON and t.tier in open_since:
                 spans.append((t.tier, open_since.pop(t.tier), t.at))
         spans += [(tier, since, None) for tier, since in open_since.items()]
         return sorted(spans, key=lambda s: s[1])
@@ -155,23 +156,23 @@ class _Links:
 
 
 def simulate(
-    requests: Sequence[TraceRequest], configs: Sequence[SimConfig], deployment: Deployment,
+    requests: Sequence[TraceRequest], configs: Sequence[SimConfig], setup: ServingSetup,
     on_request: Callable[[], None] | None = None, guard: GuardConfig | None = None, workers: int | None = None,
 ) -> list[SimResult]:
-    """One result per configuration, all from the same requests (in arrival order) and deployment. `guard`:
+    """One result per configuration, all from the same requests (in arrival order) and serving setup. `guard`:
     the guard of every configuration with tiers (else each runs its own config's, if it has one). `workers`:
     processes replaying configurations side by side (default: one per core; 1: all in this process)."""
     requests = sorted(requests, key=lambda r: r.timestamp)
     keys = [[b.to_bytes(8, "little") for b in r.blocks] for r in requests]
     with tempfile.TemporaryDirectory(prefix="kvtier-sim-") as scratch:
         def replay(config: SimConfig, tick: Callable[[], None] | None) -> SimResult:
-            return _run(requests, keys, config, deployment, Path(scratch), tick, guard)
+            return _run(requests, keys, config, setup, Path(scratch), tick, guard)
 
         return map_configs(replay, configs, on_request, workers, weight=SimConfig.tiers)
 
 
 def _run(
-    requests: Sequence[TraceRequest], keys: Sequence[list[bytes]], sim_config: SimConfig, dep: Deployment,
+    requests: Sequence[TraceRequest], keys: Sequence[list[bytes]], sim_config: SimConfig, setup: ServingSetup,
     scratch: Path, on_request: Callable[[], None] | None, guard_config: GuardConfig | None,
 ) -> SimResult:
     now = [0.0]
@@ -179,16 +180,16 @@ def _run(
     directory = control = None
     tier_order: list[str] = []
     if config is not None:
-        directory = Directory(tier_specs(config, dep.block_bytes), clock=lambda: now[0], stage_loads=False)
+        directory = Directory(tier_specs(config, setup.block_bytes), clock=lambda: now[0], stage_loads=False)
         tier_order = directory.names
-        control = Control(directory, config, dep.block_bytes, start=requests[0].timestamp if requests else 0.0,
+        control = Control(directory, config, setup.block_bytes, start=requests[0].timestamp if requests else 0.0,
                           guard=guard_config, keep=None)
     sources_of: list[str] = [ENGINE] * len(requests)
-    engine = EngineCache(dep.engine_blocks)
-    cost, block_bytes = dep.cost, dep.block_bytes
+    engine = EngineCache(setup.engine_blocks)
+    cost, block_bytes = setup.cost, setup.block_bytes
     result = SimResult(sim_config)
     ttft = np.zeros(len(requests))
-    servers = [0.0] * dep.instances
+    servers = [0.0] * setup.instances
     links = _Links()
     events: list[tuple[float, int, int]] = []  # (time, kind, request); kind 0: prefilled, 1: finished
 

@@ -71,7 +71,7 @@ def count(obj: dict[str, Any], field: str, path: Path, line: int, default: int |
     return value
 
 
-def label(obj: dict[str, Any], field: str, path: Path, line: int) -> str | None:
+def optional_name(obj: dict[str, Any], field: str, path: Path, line: int) -> str | None:
     """An optional name (session, tenant): a string, or an int taken as its decimal spelling."""
     value = obj.get(field)
     if value is None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvtier.keys import chain_keys
-from kvtier.traces.fields import Path, count, interned, is_int, json_lines, label, number, priority
+from kvtier.traces.fields import Path, count, interned, is_int, json_lines, number, optional_name, priority
 from kvtier.traces.request import TraceError, TraceRequest
 
 DEFAULT_BLOCK_TOKENS = 256
@@ -43,8 +43,8 @@ def read_kvtier_jsonl(path: Path, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> I
             input_tokens=count(obj, "input_length", path, line, default=default_input),
             output_tokens=count(obj, "output_length", path, line, default=0),
             block_tokens=size,
-            session=label(obj, "session", path, line),
-            tenant=label(obj, "tenant", path, line),
+            session=optional_name(obj, "session", path, line),
+            tenant=optional_name(obj, "tenant", path, line),
             priority=priority(obj, path, line),
         )
 

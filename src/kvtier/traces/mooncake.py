@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvtier.traces.fields import Path, count, int_list, interned, json_lines, label, number, priority
+from kvtier.traces.fields import Path, count, int_list, interned, json_lines, number, optional_name, priority
 from kvtier.traces.request import TraceRequest
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -31,7 +31,7 @@ def read_mooncake(path: Path) -> Iterator[TraceRequest]:
             input_tokens=input_tokens,
             output_tokens=output_tokens,
             block_tokens=MOONCAKE_BLOCK_TOKENS,
-            session=label(obj, "session", path, line),
-            tenant=label(obj, "tenant", path, line),
+            session=optional_name(obj, "session", path, line),
+            tenant=optional_name(obj, "tenant", path, line),
             priority=priority(obj, path, line),
         )

@@ -1,8 +1,10 @@
-"""How every benchmark measures: ours and a baseline in the same run, alternated, as medians of paired ratios.
+"""How kvtier measures: ours and a baseline in the same run, alternated, as medians of paired ratios.
 
 One place for the timing helper, the pairing (ABBA order, so that drift on a shared machine hits both alike),
 the summary of paired runs, one percentile, and the machine's description (with how busy other processes
-kept it: above about 0.3 CPUs the figures are noisy).
+kept it: above about 0.3 CPUs the figures are noisy). The benchmarks (`kvtier.bench`) and the rollout's
+latency figures (`kvtier.rollout`) both measure through it; it imports nothing of kvtier (torch only inside
+`machine`), so the rollout stays free of the engine.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ same policy objects the runtime uses, through the same calls the directory makes
 a hit is `touch`, a miss evicts the first of `candidates(incoming)` when the cache is full, then `insert`s.
 For LRU this is exactly libCacheSim's LRU on the same sequence, hence exactly `lru_mrc`'s count.
 
-A policy given by name (LRU, ARC, S3-FIFO) replays compiled (`compiled_replay`: the same decisions, proven
+A policy given by name (LRU, ARC, S3-FIFO) replays compiled (`compiled_policy_replay`: the same decisions, proven
 equal by the tests); a policy object, or the priority policy, replays through its Python methods.
 """
 
@@ -22,11 +22,11 @@ from kvtier.policies import EvictionPolicy, make_policy
 from kvtier.policies.base import DEFAULT_PRIORITY
 from kvtier.traces.request import TraceRequest
 
-COMPILED_POLICIES = ("lru", "arc", "s3fifo")  # replayed by `compiled_replay`
+COMPILED_POLICIES = ("lru", "arc", "s3fifo")  # replayed by `compiled_policy_replay`
 
 
 @dataclass(frozen=True)
-class FastReplayResult:
+class PolicyReplayResult:
     policy: str
     capacity_blocks: int
     requests: int
@@ -48,7 +48,7 @@ class FastReplayResult:
 def _policy(policy: str | EvictionPolicy, capacity_blocks: int | None) -> EvictionPolicy:
     if isinstance(policy, EvictionPolicy):
         if len(policy):
-            raise ValueError("fast replay needs an empty policy")
+            raise ValueError("a policy replay needs an empty policy")
         return policy
     if capacity_blocks is None:
         raise ValueError("capacity_blocks is required with a policy name")
@@ -75,9 +75,9 @@ def replay_blocks(
     return hits
 
 
-def fast_replay(
+def policy_replay(
     requests: Iterable[TraceRequest], policy: str | EvictionPolicy, capacity_blocks: int | None = None
-) -> FastReplayResult:
+) -> PolicyReplayResult:
     """Replay every request's blocks in order through one cache; count block hits and prefix (token) hits."""
     if isinstance(policy, str) and policy in COMPILED_POLICIES:
         return _compiled(list(requests), policy, _policy(policy, capacity_blocks).capacity)
@@ -106,11 +106,11 @@ def fast_replay(
         prefix_hits += lead
         hit_tokens += min(lead * request.block_tokens, request.input_tokens)
         input_tokens += request.input_tokens
-    return FastReplayResult(p.name, capacity, n_requests, accesses, hits, prefix_hits, hit_tokens, input_tokens)
+    return PolicyReplayResult(p.name, capacity, n_requests, accesses, hits, prefix_hits, hit_tokens, input_tokens)
 
 
-def _compiled(requests: list[TraceRequest], policy: str, capacity: int) -> FastReplayResult:
-    from kvtier.sim.compiled_replay import dense_ids, replay_ids  # here: numba is imported on first use only
+def _compiled(requests: list[TraceRequest], policy: str, capacity: int) -> PolicyReplayResult:
+    from kvtier.sim.compiled_policy_replay import dense_ids, replay_ids  # here: numba is imported on first use only
 
     lengths = np.fromiter((len(r.blocks) for r in requests), np.int64, len(requests))
     starts = np.zeros(len(requests) + 1, np.int64)
@@ -119,5 +119,5 @@ def _compiled(requests: list[TraceRequest], policy: str, capacity: int) -> FastR
     hits, lead = replay_ids(policy, dense_ids(blocks), starts, capacity)
     block_tokens = np.fromiter((r.block_tokens for r in requests), np.int64, len(requests))
     input_tokens = np.fromiter((r.input_tokens for r in requests), np.int64, len(requests))
-    return FastReplayResult(policy, capacity, len(requests), int(starts[-1]), int(hits.sum()), int(lead.sum()),
-                            int(np.minimum(lead * block_tokens, input_tokens).sum()), int(input_tokens.sum()))
+    return PolicyReplayResult(policy, capacity, len(requests), int(starts[-1]), int(hits.sum()), int(lead.sum()),
+                              int(np.minimum(lead * block_tokens, input_tokens).sum()), int(input_tokens.sum()))

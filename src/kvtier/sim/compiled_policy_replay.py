@@ -1,12 +1,12 @@
 """LRU, ARC and S3-FIFO replays compiled with numba: the policy objects' exact decisions, at C-like speed.
 
-A replay drives one cache the way `fast_replay` drives a policy object: a hit touches, a miss evicts the first
+A replay drives one cache the way `policy_replay` drives a policy object: a hit touches, a miss evicts the first
 candidate when the cache is full, then inserts. Here each policy's queues are doubly linked lists over dense
 block ids (arrays, not dicts), and the rules are transcribed from `kvtier.policies` step by step, including
 ARC's ghost bookkeeping and adaptation and S3-FIFO's warm-up and clock. Tests compare every count with the
 policy objects on random and real traces; the objects stay the reference and the runtime's code.
 
-`fast_replay` imports this module on first use: numba's import and compilation are paid only by replays.
+`policy_replay` imports this module on first use: numba's import and compilation are paid only by replays.
 """
 
 from __future__ import annotations
