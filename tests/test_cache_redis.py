@@ -25,8 +25,8 @@ from kvtier.stores import blockformat
 from kvtier.stores.base import TierKind
 from kvtier.stores.breaker import BreakerState
 from tests.conftest import SHAPE, random_blocks, same_bytes
-from tests.test_directory import BLOCK, ROLLS, DirectoryMachine, Load, chain, tier_specs
 from tests.redis_server import stored_bytes
+from tests.test_directory import BLOCK, ROLLS, DirectoryMachine, Load, chain, tier_specs
 from tests.test_redis import check_invariants
 
 DTYPE = torch.bfloat16
@@ -40,9 +40,9 @@ def keys_for(n: int, salt: int = 0) -> list[bytes]:
 
 def config(url: str, host_blocks: int = 32, redis_blocks: int = 64, tenant_salt: str = "", **redis_extra):
     tier = {"type": "redis", "url": url, "max_bytes": redis_blocks * VALUE, "socket_timeout_s": 0.3,
-            "connect_timeout_s": 0.3, "breaker_failures": 2, "breaker_cooldown_s": 0.2, **redis_extra}  # fmt: skip
+            "connect_timeout_s": 0.3, "breaker_failures": 2, "breaker_cooldown_s": 0.2, **redis_extra}
     return parse_config({"cpu_bytes_to_use": host_blocks * PAYLOAD, "block_size": 16, "tenant_salt": tenant_salt,
-                         "secondary_tiers": [tier]})  # fmt: skip
+                         "secondary_tiers": [tier]})
 
 
 def engines(url: str, n: int = 2, **kw) -> list[TieredCache]:
@@ -87,7 +87,7 @@ def test_what_one_engine_stores_the_other_loads_bit_identically(redis_server):
                      'kvtier_moves_total{dst="host",src="redis"} 8.0',
                      'kvtier_moves_total{dst="redis",src="host"} 4.0', 'kvtier_tier_capacity_bytes{tier="redis"}',
                      'kvtier_tier_used_bytes{tier="redis"} ' + f"{12 * VALUE}.0", "kvtier_redis_breaker_state 0.0",
-                     "kvtier_redis_breaker_opens_total 0.0"):  # fmt: skip
+                     "kvtier_redis_breaker_opens_total 0.0"):
             assert line in text, line
     finally:
         a.close()
@@ -126,7 +126,8 @@ def test_a_load_not_staged_reads_redis_straight_into_the_caller_and_its_store_ke
 
 def test_damaged_or_foreign_value_is_a_miss_never_served(redis_server):
     a, b = engines(redis_server.url)
-    other = TieredCache(config(redis_server.url, tenant_salt="another tenant"), SHAPE, DTYPE, model="test")  # another namespace
+    # another namespace
+    other = TieredCache(config(redis_server.url, tenant_salt="another tenant"), SHAPE, DTYPE, model="test")
     try:
         assert other.namespace.digest() != a.namespace.digest()
         keys, blocks = keys_for(6), random_blocks(6, DTYPE, seed=3)
@@ -179,7 +180,7 @@ def test_redis_killed_mid_workload_then_restarted(redis_server):
                 got = b.load(keys)
                 b.lookup(keys_for(2, salt=10_000 + i))
                 worst[0] = max(worst[0], time.monotonic() - start)
-            except BaseException as e:  # noqa: BLE001 - the test is that there are none
+            except BaseException as e:  # the test is that there are none
                 errors.append(e)
                 return
             wrong[0] += sum(not same_bytes(x, y) for x, y in zip(got, blocks))
@@ -286,7 +287,7 @@ def test_shared_tier_never_exceeds_max_bytes_with_two_engines_writing(redis_serv
                 want = random_blocks(4, DTYPE, seed=r - first + peer_salt)
                 wrong[0] += sum(not same_bytes(x, y) for x, y in zip(got, want))
                 step.wait()
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
             step.abort()
 
@@ -324,7 +325,7 @@ class SharedDirectoryMachine(DirectoryMachine):
     always finds its block's bytes in the host slot it reads."""
 
     @initialize(specs=tier_specs(), sightings=st.integers(1, 2), stage_loads=st.booleans())
-    def setup(self, specs: list[TierSpec], sightings: int, stage_loads: bool) -> None:  # type: ignore[override]
+    def setup(self, specs: list[TierSpec], sightings: int, stage_loads: bool) -> None:
         super().setup(specs, stage_loads)
         self.shared = SharedSpec("redis", BLOCK, AdmissionRule(min_sightings=sightings))
         self.d = self._listened(Directory(specs, clock=lambda: 0.0, shared=self.shared, stage_loads=stage_loads))
@@ -346,7 +347,7 @@ class SharedDirectoryMachine(DirectoryMachine):
             self._redis_drop(sorted(self.redis)[pick % len(self.redis)])
 
     @rule(path=st.lists(st.integers(0, 2), min_size=1, max_size=6).map(tuple))
-    def load(self, path: tuple[int, ...]) -> None:  # type: ignore[override]
+    def load(self, path: tuple[int, ...]) -> None:
         self.seen.add(path)
         keys = chain(path)
         readable = self.d.lookup(keys)
@@ -372,7 +373,7 @@ class SharedDirectoryMachine(DirectoryMachine):
     def _execute(self, step: Step, roll: int) -> Status:
         if step.dst == "redis":
             assert step.src == "host" and self.bytes.slots["host"][step.src_slot] == step.key, \
-                f"{step} reads a slot that does not hold its block"  # fmt: skip
+                f"{step} reads a slot that does not hold its block"
             if roll >= ROLLS - 3 or (step.parent is not None and step.parent not in self.redis):
                 return Status.FAILED  # Redis refused it (an orphan) or failed
             self.redis[step.key] = step.parent
@@ -501,7 +502,8 @@ def test_a_write_through_copy_abandoned_after_making_room_keeps_the_victims_file
     write-through copy evicts a, whose only copy is there, and drops a's descendants, k with them. The copy is
     abandoned, but a's DELETE stays in k's chain, after its PUT: a's file exists until that DELETE runs, so it
     must stay counted, or another chain's write takes its room first and disk holds more files than it may."""
-    specs = [TierSpec("host", 2 * BLOCK, BLOCK, kind=TierKind.HOST), TierSpec("disk", 2 * BLOCK, BLOCK, write_through=True)]
+    specs = [TierSpec("host", 2 * BLOCK, BLOCK, kind=TierKind.HOST),
+             TierSpec("disk", 2 * BLOCK, BLOCK, write_through=True)]
     d = Directory(specs, shared=SharedSpec("redis", BLOCK))
     a, p, k = chain((1, 1, 1))
     complete_instantly(d, d.plan_store([a]))

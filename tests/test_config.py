@@ -111,7 +111,8 @@ def test_cli_demo_with_bad_config_exits_2_and_writes_nothing(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**GOOD, "secondary_tiers": [fs(tmp_path, max_bytes=-5)]}))
     out = tmp_path / "demo.json"
-    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--in-process", "--config", str(bad), "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--in-process", "--config", str(bad),
+                           "--json", str(out)],
                           capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 2, proc.stderr
     assert "secondary_tiers[0].max_bytes" in proc.stderr

@@ -139,7 +139,8 @@ class DirectoryMachine(RuleBasedStateMachine):
             first = self.next_id
             self.request(path, priority)
             while any(cid >= first for cid in self.chains):
-                self._complete_next(rnd.choice([cid for cid in sorted(self.chains) if cid >= first]), rnd.randrange(ROLLS))
+                mine = [cid for cid in sorted(self.chains) if cid >= first]
+                self._complete_next(rnd.choice(mine), rnd.randrange(ROLLS))
             self.finish_loads()
 
     @rule(path=paths, cut=st.integers(0, 5), priority=priorities)
@@ -354,7 +355,8 @@ class DirectoryMachine(RuleBasedStateMachine):
             for slot, users in touched.items():
                 assert slot not in free, f"{name}: slot {slot} is free while a transfer touches it"
                 if any(write for _, write in users):
-                    assert len({cid for cid, _ in users}) == 1, f"{name}: slot {slot} written by one chain, used by another"
+                    assert len({cid for cid, _ in users}) == 1, (
+                        f"{name}: slot {slot} written by one chain, used by another")
 
     @invariant()
     def accounting_is_exact(self) -> None:

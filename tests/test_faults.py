@@ -26,9 +26,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
-from tests.connector_harness import P, Engine, Request
-from tests.connector_harness import content as engine_content
 from tests.conftest import DEMOTE_ALL, missing
+from tests.connector_harness import Engine, P, Request
+from tests.connector_harness import content as engine_content
 
 SHAPE, DT = (4, 1024), torch.uint8  # a block: 4 KiB
 KILLS = 50

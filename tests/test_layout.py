@@ -177,7 +177,7 @@ def test_layout_is_frozen_and_label_free() -> None:
     a = KVLayout(2, 2, 64, "bf16", name="a")
     assert a == KVLayout(2, 2, 64, "bf16", name="b") and hash(a) == hash(KVLayout(2, 2, 64, "bf16"))
     with pytest.raises(AttributeError):
-        a.num_layers = 3  # type: ignore[misc]
+        a.num_layers = 3
 
 
 def test_metadata_plane_imports_no_torch() -> None:

@@ -25,8 +25,8 @@ from kvtier.sim.instant_mover import complete_instantly
 from kvtier.stores.base import TierKind
 from kvtier.stores.disk import DiskStore
 from kvtier.stores.redis import RedisStore
-from tests.connector_harness import STEP, loading_all
 from tests.conftest import DEMOTE_ALL
+from tests.connector_harness import STEP, loading_all
 
 SHAPE, DT, P = (4, 1024), torch.uint8, 4096  # one block: 4 KiB of uint8
 
@@ -154,7 +154,7 @@ def test_an_exception_in_a_mover_thread_fails_its_step_and_leaks_nothing(tmp_pat
                 raise RuntimeError("injected: not an OSError")
             return real_write(store, key, parent, src)
 
-        cache.stores["disk"].write = failing_write.__get__(cache.stores["disk"])  # type: ignore[method-assign]
+        cache.stores["disk"].write = failing_write.__get__(cache.stores["disk"])
         blocks = [torch.full(SHAPE, i, dtype=DT) for i in range(8)]
         for i, block in enumerate(blocks):
             cache.store([b"k%d" % i], [block])
@@ -178,11 +178,12 @@ def test_a_failed_demotion_never_sends_other_bytes_through_to_the_shared_tier(tm
         tiers.append({"type": "redis", "url": redis_server.url, "max_bytes": 64 * (P + 600)})
         return parse_config({"cpu_bytes_to_use": host_blocks * P, "block_size": 16, "secondary_tiers": tiers})
 
-    with TieredCache(config(True, 1), SHAPE, DT, model="test") as a, TieredCache(config(False, 4), SHAPE, DT, model="test") as b:
+    with (TieredCache(config(True, 1), SHAPE, DT, model="test") as a,
+          TieredCache(config(False, 4), SHAPE, DT, model="test") as b):
         def failing_write(key, parent, src):
             raise RuntimeError("injected: not an OSError")
 
-        a.stores["disk"].write = failing_write  # type: ignore[method-assign]
+        a.stores["disk"].write = failing_write
         for i in range(3):  # each store evicts the one before: its demotion raises
             a.store([b"k%d" % i], [torch.full(SHAPE, i + 1, dtype=DT)])
             a.flush()
@@ -355,7 +356,8 @@ def scheduler_with_a_seeded_redis(redis_server, n: int) -> tuple[SchedulerSide, 
     """A scheduler half with a Redis tier that already holds one chain of `n` blocks (another engine's)."""
     geo = geometry()
     config = parse_config({"cpu_bytes_to_use": 16 * P, "block_size": 16, "engine_block_size": 16,
-                           "secondary_tiers": [{"type": "redis", "url": redis_server.url, "max_bytes": 64 * (P + 600)}]})
+                           "secondary_tiers": [{"type": "redis", "url": redis_server.url,
+                                                "max_bytes": 64 * (P + 600)}]})
     hashes = [bytes([i]) * 32 for i in range(1, n + 1)]
     keys = [h + b"\x00\x00" for h in hashes]
     other = RedisStore(redis_server.url, geo.namespace(0), P, 64 * (P + 600))
@@ -422,7 +424,7 @@ def test_failed_disk_deletes_keep_their_bytes_counted(tmp_path):
                 raise OSError(5, "injected I/O error")
             return real_delete(key)
 
-        disk.delete = failing_delete  # type: ignore[method-assign]
+        disk.delete = failing_delete
         for i in range(8):
             cache.store([b"k%d" % i], [torch.full(SHAPE, i, dtype=DT)])
             cache.flush()

@@ -38,8 +38,8 @@ def in_temp_folder() -> set[Path]:
 def test_the_rollout_on_the_embedded_default(tmp_path, served_model):
     from rich.console import Console
 
-    from kvtier.rollout.present import write_html
     from kvtier.rollout.harness import Options
+    from kvtier.rollout.present import write_html
     from kvtier.rollout.run import run
 
     before = in_temp_folder()

@@ -382,7 +382,7 @@ def test_scan_recovers_valid_blocks_and_removes_junk(tmp_path: Path, o_direct: b
     assert removed == {"temp": 1, "symlink": 3, "corrupt": 1, "foreign": 1}
     assert [(b.key, b.parent) for b in sorted(blocks, key=lambda b: ks.index(b.key))] == [
         (ks[0], None), (ks[4], ks[3]), (ks[5], ks[4])
-    ]  # fmt: skip
+    ]
     assert [b.mtime_ns for b in blocks] == sorted(b.mtime_ns for b in blocks)
     assert victim.read_text() == "not a block" and sorted(other.dir.rglob("*")) == other_files
     assert not (store.dir / "zz").exists() and tmp_path.exists()

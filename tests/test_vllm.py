@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from tests.conftest import DEMOTE_ALL
 from tests.vllm.zygote import Zygote
 

@@ -13,7 +13,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -31,7 +31,8 @@ from pydantic import (
 
 from kvtier.policies import POLICIES
 
-PolicyName = Literal[tuple(POLICIES)]  # type: ignore[valid-type]
+PolicyName = Literal["lru", "arc", "s3fifo", "priority"]
+assert set(get_args(PolicyName)) == set(POLICIES), "a policy registered in kvtier.policies needs its name here"
 Priority = Annotated[int, Field(ge=0, le=100)]
 HOST = "host"  # the first tier's name
 SHARED = "redis"  # the shared tier's name
@@ -48,15 +49,18 @@ class _Strict(BaseModel):
 _M = TypeVar("_M", bound=_Strict)
 
 
-class AdmissionConfig(_Strict):
-    """Who gets into a tier. Defaults admit everything."""
-
+class _Admission(_Strict):
     min_priority: Priority = 0
-    min_sightings: PositiveInt = 1  # 2 = "store on the second sighting"
     max_write_bytes_per_s: PositiveInt | None = None  # transfer budget of the tier's write path
 
 
-class DiskAdmissionConfig(AdmissionConfig):
+class AdmissionConfig(_Admission):
+    """Who gets into a tier. Defaults admit everything."""
+
+    min_sightings: PositiveInt = 1  # 2 = "store on the second sighting"
+
+
+class DiskAdmissionConfig(_Admission):
     """A disk tier admits what host evicts. `auto`: on the first sighting while blocks offered to it come back,
     on the second otherwise, so that unique traffic does not write every block it evicts."""
 
@@ -143,7 +147,7 @@ class RedisTierConfig(_Strict):
         if urlsplit(self.url).scheme != "rediss":
             return {}
         files = {name: str(getattr(self, name)) for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
-                 if getattr(self, name) is not None}  # fmt: skip
+                 if getattr(self, name) is not None}
         return {**files, "ssl_cert_reqs": self.ssl_cert_reqs}
 
 

@@ -5,8 +5,8 @@ A load of the first k blocks is expected to take, per tier, its latency + (bytes
 blocks among the k) / its bandwidth, summed over tiers; recomputing them takes their tokens / the engine's
 prefill throughput. Both sides are measured online: a tier's latency and bandwidth are fitted (EWMA) to the
 transfers that completed on it, the engine's throughput is the median of the last requests' prefill spans (a
-configured prior until there is one). The longest prefix whose load wins is offered. A tier without a recent transfer is assumed fast:
-its next load measures it again, so a tier that recovers is used again.
+configured prior until there is one). The longest prefix whose load wins is offered. A tier without a recent
+transfer is assumed fast: its next load measures it again, so a tier that recovers is used again.
 """
 
 from __future__ import annotations

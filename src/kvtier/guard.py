@@ -150,7 +150,7 @@ class Guard:
     def _close(self, end: float) -> None:
         window = self._window
         self.window_p99 = {(source, signal): p99(samples) for signal in SIGNALS
-                           for source, samples in getattr(window, signal).items() if samples}  # fmt: skip
+                           for source, samples in getattr(window, signal).items() if samples}
         start = end - self.config.window_s
         candidates = []
         for name, tier in self._tiers.items():

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -86,7 +86,7 @@ class MoveStats:
 
     moves: Counter = field(default_factory=Counter)  # (src, dst)
     bytes: Counter = field(default_factory=Counter)  # (src, dst)
-    seconds: Counter = field(default_factory=Counter)  # (src, dst), total
+    seconds: defaultdict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))  # total
     buckets: dict = field(default_factory=dict)  # (src, dst) -> moves per MOVE_BUCKETS bucket (+Inf last)
     integrity_failures: Counter = field(default_factory=Counter)  # tier
     stores_dropped: Counter = field(default_factory=Counter)  # reason
@@ -212,7 +212,7 @@ class Metrics:
             snap["shared"][name] = stats
             snap.setdefault("tiers", {})[name] = {"used_bytes": store.used_bytes(),
                                                   "capacity_bytes": store.capacity_bytes(),
-                                                  "enabled": self.tier_enabled(name)}  # fmt: skip
+                                                  "enabled": self.tier_enabled(name)}
             if stats.get("evictions") and "evictions" in snap:  # what this engine's puts evicted
                 snap["evictions"][f"{name}/capacity"] = stats["evictions"]
 

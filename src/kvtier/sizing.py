@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from kvtier.admission import AdmissionRule
-from kvtier.config import HOST, AdmissionConfig, FsTierConfig, KVTierConfig, RedisTierConfig
+from kvtier.config import HOST, AdmissionConfig, DiskAdmissionConfig, FsTierConfig, KVTierConfig, RedisTierConfig
 from kvtier.directory import SharedSpec, TierSpec
 from kvtier.layout import disk_footprint, round_up
 from kvtier.stores.base import TierKind
@@ -49,7 +49,7 @@ def shared_tier(config: KVTierConfig) -> tuple[str, RedisTierConfig] | None:
     return shared[0] if shared else None
 
 
-def _rule(admission: AdmissionConfig) -> AdmissionRule:
+def _rule(admission: AdmissionConfig | DiskAdmissionConfig) -> AdmissionRule:
     auto = admission.min_sightings == "auto"
     return AdmissionRule(admission.min_priority, 2 if auto else int(admission.min_sightings),
                          admission.max_write_bytes_per_s, adaptive=auto)

@@ -66,7 +66,7 @@ def redis_store(tier: RedisTierConfig, namespace: str, payload_nbytes: int,
         socket_timeout_s=tier.socket_timeout_s, connect_timeout_s=tier.connect_timeout_s,
         pool_size=tier.pool_size, breaker=breaker, auth_key=auth_key, oom_cap_s=tier.oom_cap_s,
         **tier.connection_kwargs(),
-    )  # fmt: skip
+    )
 
 
 def build_mover(config: KVTierConfig, stores: Stores, report: Reporter, metrics: Metrics,
@@ -82,7 +82,7 @@ def build_mover(config: KVTierConfig, stores: Stores, report: Reporter, metrics:
         queue_depth=config.queue_depth, cpus=cpus,
         n_shared_read_threads=shared[1].n_read_threads if shared else 1,
         n_shared_write_threads=shared[1].n_write_threads if shared else 1,
-    )  # fmt: skip
+    )
 
 
 def recover(directory: Directory, ranks: Sequence[Mapping[str, LocalStore]], lock: AbstractContextManager | None = None,

@@ -19,10 +19,10 @@ from tests.vllm.scenario import prompt
 
 
 def main() -> None:
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvtier.integrations.vllm.tiny_model import ENGINE_BLOCKS, start_engine
+    from vllm import SamplingParams
 
     llm = start_engine(sys.argv[1], json.loads(sys.argv[2]), max_num_seqs=4, max_num_batched_tokens=8192)
     engine = llm.llm_engine

@@ -7,8 +7,8 @@ disk (the host tier holds two, the engine three). Then they are served in turn, 
 read slowed by DELAY (seconds; or `Nx`: N times the slowest recompute of the first serving, whatever this
 machine's speed): REQUESTS of them if given; else until the guard turns the disk off (or 40 s pass) and
 4 s more, then at full speed until the guard has it back on (or 40 s pass). Each request: its phase, TTFT,
-cached tokens, blocks read from disk, logprobs, the guard's state of the disk before and after it, and `kvtier_tier_enabled{tier="disk"}` as
-vLLM's Prometheus registry shows it after it.
+cached tokens, blocks read from disk, logprobs, the guard's state of the disk before and after it, and
+`kvtier_tier_enabled{tier="disk"}` as vLLM's Prometheus registry shows it after it.
 At the end the first prompt is served twice: the second is vLLM's own prefix-cache hit, the exactness reference.
 """
 
@@ -31,11 +31,11 @@ def tokens(name: str) -> list[int]:
 
 
 def main() -> None:
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvtier.integrations.vllm.tiny_model import start_engine
     from kvtier.rollout.faults import slow_reads
+    from vllm import SamplingParams
 
     delay_file = Path(tempfile.mkdtemp(prefix="kvtier-delay-")) / "delay"
     slow_reads(delay_file)

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 
-
 def prompt(name: str, n: int = 2048) -> list[int]:
     rng = random.Random(name)
     return [rng.randrange(3, 32000) for _ in range(n)]
@@ -50,7 +49,8 @@ def kvtier_series() -> dict[str, float]:
     for family in REGISTRY.collect():
         for s in family.samples:
             if s.name.startswith("kvtier_") and not s.name.endswith("_created"):
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k not in ("engine", "model_name"))
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())
+                                  if k not in ("engine", "model_name"))
                 out[f"{s.name}{{{labels}}}"] = s.value
     return out
 
@@ -72,10 +72,10 @@ def drain(llm) -> None:
 
 
 def main() -> None:
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvtier.integrations.vllm.tiny_model import start_engine
+    from vllm import SamplingParams
 
     model, config, names = sys.argv[1], sys.argv[2], sys.argv[3:]
     kv = None if config == "off" else json.loads(config)

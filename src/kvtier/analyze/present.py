@@ -32,7 +32,8 @@ def analysis_report(a: Analysis) -> Report:
              f"Model {d.cost.layout.name}: {fmt_bytes(a.block_bytes)} per block."),
         Heading("Verdict"),
         Text(v.headline, "bold green" if v.fits else "bold red"),
-        Table("checks", ["check", "ok", "why"], [[c.name, {True: "yes", False: "NO", None: "-"}[c.ok], c.reason] for c in v.checks], text_columns=3),
+        Table("checks", ["check", "ok", "why"],
+              [[c.name, {True: "yes", False: "NO", None: "-"}[c.ok], c.reason] for c in v.checks], text_columns=3),
         *[Text(f"note: {n}", "yellow") for n in v.notes],
     )
     _shared(report, a)
@@ -85,7 +86,8 @@ def _block_size(report: Report, a: Analysis) -> None:
                      fmt_seconds(r["disk_s"]), fmt_seconds(r["network_s"]), fmt_seconds(r["recompute_first_s"]),
                      fmt_seconds(r["recompute_at_median_context_s"]), f"{r['break_even_bytes_per_s'] / 1e9:,.1f}"])
     c = a.deployment.cost
-    links = ", ".join(f"{link.name} {link.bytes_per_s / 1e9:g} GB/s + {fmt_seconds(link.latency_s)}" for link in c.links)
+    links = ", ".join(f"{link.name} {link.bytes_per_s / 1e9:g} GB/s + {fmt_seconds(link.latency_s)}"
+                      for link in c.links)
     context = a.block_table()[0]["median_context_tokens"]
     report.add(
         Heading("3. How big is a useful block against the transfer budget?"),

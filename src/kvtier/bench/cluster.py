@@ -129,7 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--routing", choices=ROUTINGS, default="affinity", help="for the scaling table")
     args = ap.parse_args(argv)
     paths = args.traces or [public_trace(f"mooncake/{t}_trace.jsonl") for t in ("conversation", "synthetic")]
-    traces = {p.name.removesuffix(".jsonl").removesuffix("_trace"): list(read_trace(p)) for p in paths}
+    traces: dict[str, Sequence[TraceRequest]] = {
+        p.name.removesuffix(".jsonl").removesuffix("_trace"): list(read_trace(p)) for p in paths}
     figures = traces_dir() / "reference_figures.json" if os.environ.get(ENV) else None
     paper = json.loads(figures.read_text())["mooncake_fast25"][FIG10] if figures and figures.is_file() else None
     print(_markdown(ROUTING_HEADER, routing_rows(traces, 10, args.capacity_tokens, ROUTINGS, paper=paper)))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.config import parse_config
+from kvtier.config import FsTierConfig, parse_config
 from kvtier.directory import Op, Plan, Status, Step
 from kvtier.keys import Namespace
 from kvtier.layout import ALIGN, round_up
@@ -52,6 +52,7 @@ def disk_case(workdir: Path, block_bytes: int, total: int, reps: int, tick: Call
     config = parse_config({"cpu_bytes_to_use": 2 * n * round_up(block_bytes), "block_size": 16,
                            "secondary_tiers": [{"type": "fs", "root_dir": str(tier_dir), "max_bytes": 2 * need}]})
     fs = config.secondary_tiers[0]
+    assert isinstance(fs, FsTierConfig)
     namespace = Namespace(model="bench", dtype="uint8", block_size=16, kv_layout=str(block_bytes)).digest()
     slab = HostSlab(2 * n, block_bytes)  # slots [0, n) are written out, slots [n, 2n) are read into
     disk = DiskStore(fs.root_dir, namespace, 0, block_bytes, o_direct=fs.o_direct)
@@ -66,11 +67,8 @@ def disk_case(workdir: Path, block_bytes: int, total: int, reps: int, tick: Call
             statuses[status] += len(steps)
 
     mover = build_mover(config, Stores(HOST, slab, {"disk": disk}), report, Metrics(None, 16))
-    raw_buf = mmap.mmap(-1, nbytes)  # page-aligned, as O_DIRECT wants
-    torch.frombuffer(raw_buf, dtype=torch.uint8).copy_(data.view(-1))
+    baseline = _RawFiles(raw_dir, data)
     written: list[list[bytes]] = []
-    raw_files: list[Path] = []
-    raw_direct = [True]
 
     def expect_ok(what: str) -> None:
         if statuses[Status.OK] != n or len(statuses) != 1:
@@ -107,38 +105,11 @@ def disk_case(workdir: Path, block_bytes: int, total: int, reps: int, tick: Call
             raise RuntimeError("disk bench: a block read back differs from the one written")
         return elapsed
 
-    def raw_write() -> float:
-        path = raw_dir / f"raw-{len(raw_files)}.bin"
-        raw_files.append(path)
-        os.sync()
-        start = time.perf_counter()
-        fd, raw_direct[0] = _open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        try:
-            view = memoryview(raw_buf)
-            for offset in range(0, nbytes, RAW_CHUNK):
-                _whole(os.pwrite(fd, view[offset : offset + RAW_CHUNK], offset), min(RAW_CHUNK, nbytes - offset))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return time.perf_counter() - start
-
-    def raw_read() -> float:
-        os.sync()
-        start = time.perf_counter()
-        fd, _ = _open_direct(raw_files[-1], os.O_RDONLY)
-        try:
-            view = memoryview(raw_buf)
-            for offset in range(0, nbytes, RAW_CHUNK):
-                _whole(os.preadv(fd, [view[offset : offset + RAW_CHUNK]], offset), min(RAW_CHUNK, nbytes - offset))
-        finally:
-            os.close(fd)
-        return time.perf_counter() - start
-
     def ours() -> tuple[float, float]:
         return ours_write(), ours_read()
 
     def raw() -> tuple[float, float]:
-        return raw_write(), raw_read()
+        return baseline.write(), baseline.read()
 
     try:
         times = alternate(ours, raw, reps, tick, budget_s=2 * BUDGET_S)  # (write, read) seconds per side
@@ -151,12 +122,52 @@ def disk_case(workdir: Path, block_bytes: int, total: int, reps: int, tick: Call
         "block_bytes": block_bytes, "blocks": n,
         "write": summary(write, nbytes), "read": summary(read, nbytes),
         "n_write_threads": fs.n_write_threads, "n_read_threads": fs.n_read_threads,
-        "tier_o_direct": disk.direct, "raw_o_direct": raw_direct[0], "raw_chunk_bytes": RAW_CHUNK,
+        "tier_o_direct": disk.direct, "raw_o_direct": baseline.direct, "raw_chunk_bytes": RAW_CHUNK,
         "file_system_dir": str(workdir),
         "notes": "reads are cold: O_DIRECT bypasses the page cache (when tier_o_direct and raw_o_direct are "
                  "true). The tier writes one file per block (temp file + rename, no fsync, as DiskStore does); "
                  "the raw baseline writes one file and fsyncs it.",
     }
+
+
+class _RawFiles:
+    """The baseline: the same bytes as one file per round, written with O_DIRECT in RAW_CHUNK `pwrite`s and
+    fsynced, then read back in RAW_CHUNK `preadv`s."""
+
+    def __init__(self, folder: Path, data: torch.Tensor) -> None:
+        self.folder = folder
+        self.nbytes = data.numel()
+        self.buffer = mmap.mmap(-1, self.nbytes)  # page-aligned, as O_DIRECT wants
+        torch.frombuffer(self.buffer, dtype=torch.uint8).copy_(data.view(-1))
+        self.files: list[Path] = []
+        self.direct = True
+
+    def write(self) -> float:
+        path = self.folder / f"raw-{len(self.files)}.bin"
+        self.files.append(path)
+        os.sync()
+        start = time.perf_counter()
+        fd, self.direct = _open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            view = memoryview(self.buffer)
+            for offset in range(0, self.nbytes, RAW_CHUNK):
+                _whole(os.pwrite(fd, view[offset : offset + RAW_CHUNK], offset), min(RAW_CHUNK, self.nbytes - offset))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return time.perf_counter() - start
+
+    def read(self) -> float:
+        os.sync()
+        start = time.perf_counter()
+        fd, _ = _open_direct(self.files[-1], os.O_RDONLY)
+        try:
+            view = memoryview(self.buffer)
+            for offset in range(0, self.nbytes, RAW_CHUNK):
+                _whole(os.preadv(fd, [view[offset : offset + RAW_CHUNK]], offset), min(RAW_CHUNK, self.nbytes - offset))
+        finally:
+            os.close(fd)
+        return time.perf_counter() - start
 
 
 def _whole(moved: int, wanted: int) -> None:

@@ -28,6 +28,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             _section(result, "ordering", lambda: _ordering(cache, shape, args.blocks))
             _section(result, "exact", lambda: _exactness(cache, shape, args.blocks))
     for tokens in args.speed_tokens:
-        _section(result, f"speed_{tokens}_tokens", lambda: _speed(layout, tokens, args.blocks, args.reps))
+        _section(result, f"speed_{tokens}_tokens", partial(_speed, layout, tokens, args.blocks, args.reps))
     _section(result, "pages", lambda: pages_case("llama-3.1-8b", args.page_blocks, args.reps, lambda: None, "cuda"))
     _section(result, "gaps", lambda: gaps(args.blocks, args.reps))
     ordering, exact = result["ordering"], result["exact"]

@@ -20,6 +20,7 @@ import pstats
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -48,7 +49,7 @@ def _memory(n: int, reps: int) -> dict:
         sides = {"slab": slots, "torch_pinned": torch_pinned}
         figures: dict = {"slab_pinned": slab.pinned}
         for direction in ("d2h", "h2d"):
-            def copies(host: list[torch.Tensor]) -> Callable[[], None]:
+            def copies(host: list[torch.Tensor], direction: str = direction) -> Callable[[], object]:
                 pairs = list(zip(host, gpu) if direction == "d2h" else zip(gpu, host))
                 return lambda: [dst.copy_(src, non_blocking=True) for dst, src in pairs]
             times = _paired({name: copies(host) for name, host in sides.items()}, reps)
@@ -63,7 +64,7 @@ def _gather(reps: int) -> dict:
     staging = torch.empty((1024, 64 * 32 * 1024), dtype=torch.uint8, device="cuda")
     flat = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
 
-    def gather(word: torch.dtype) -> Callable[[], None]:
+    def gather(word: torch.dtype) -> Callable[[], object]:
         seen = [p.view(word) for p in pages]
         rows = staging.view(word)
         width = seen[0].shape[1]
@@ -96,8 +97,8 @@ def _per_call(calls: int) -> dict:
             keys = chain_keys(list(range(16)), 16, extra_keys=[f"per-call-{call}"])
             if call:
                 profile.enable()
-            timed("store", lambda: (cache.store(keys, [block]), cache.flush()))
-            timed("load", lambda: cache.load(keys, out=[out]))
+            timed("store", partial(store_and_flush, cache, keys, [block]))
+            timed("load", partial(cache.load, keys, out=[out]))
             profile.disable()
             timed("copy_d2h", lambda: pinned.copy_(block, non_blocking=True))
             timed("copy_h2d", lambda: out.copy_(pinned, non_blocking=True))
@@ -105,6 +106,11 @@ def _per_call(calls: int) -> dict:
     pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
     return {**{f"{name}_us": statistics.median(times[1:]) * 1e6 for name, times in timings.items()},
             "profile": text.getvalue().splitlines()[-32:]}
+
+
+def store_and_flush(cache: TieredCache, keys: list[bytes], blocks: list[torch.Tensor]) -> None:
+    cache.store(keys, blocks)
+    cache.flush()
 
 
 def _paired(sides: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:

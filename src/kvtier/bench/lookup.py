@@ -8,6 +8,7 @@ import gc
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 
 from kvtier.directory import Directory, TierSpec
 from kvtier.keys import chain_keys
@@ -53,8 +54,7 @@ def lookup_case(
 
         by_size = {}
         for block_tokens, keys in prompts.items():
-            times = alternate(lambda k=keys: per_call(directory.lookup, k), lambda k=keys: per_call(dict_loop, k),
-                              reps, tick)
+            times = alternate(partial(per_call, directory.lookup, keys), partial(per_call, dict_loop, keys), reps, tick)
             paired = summary(times, len(keys))  # "GB/s" here is 1e9 keys/s; renamed below
             by_size[str(block_tokens)] = {
                 "keys": len(keys), "keys_per_s": paired["ours_gbps"] * 1e9,

@@ -47,7 +47,7 @@ class RedisServer:
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         """Start on `self.port` and wait until it answers PING."""
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(self.dir), "--daemonize", "no", "--loglevel", "warning", *self.extra]  # fmt: skip
+                "--dir", str(self.dir), "--daemonize", "no", "--loglevel", "warning", *self.extra]
         with open(self.dir / "redis.log", "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s

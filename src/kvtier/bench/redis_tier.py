@@ -30,60 +30,72 @@ SIZES = {"256KiB": 256 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
 NAMESPACE = "0" * 32
 
 
-def _one_size(url: str, nbytes: int, n_blocks: int, batch: int, runs: int) -> dict:
-    """Median put and get throughput (bytes/s) of raw redis-py and of the tier, alternating runs."""
-    gen = torch.Generator().manual_seed(nbytes)
-    payloads = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen) for _ in range(n_blocks)]
-    views = [memoryview(p.numpy()) for p in payloads]
-    into = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n_blocks)]
-    keys = [i.to_bytes(16, "big") for i in range(n_blocks)]
-    raw_keys = [b"raw:" + k.hex().encode() for k in keys]
-    client = redis.Redis.from_url(url)
-    store = RedisStore(url, NAMESPACE, nbytes, max_bytes=4 * n_blocks * (nbytes + 4096), socket_timeout_s=30)
-    batches = [range(i, min(i + batch, n_blocks)) for i in range(0, n_blocks, batch)]
+class _Sides:
+    """The same blocks through raw redis-py and through the tier: each side puts, then gets, every batch."""
 
-    def raw_put() -> None:
-        for b in batches:
-            pipe = client.pipeline(transaction=False)
+    def __init__(self, url: str, nbytes: int, n_blocks: int, batch: int) -> None:
+        gen = torch.Generator().manual_seed(nbytes)
+        self.payloads = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen) for _ in range(n_blocks)]
+        self.views = [p.numpy().data for p in self.payloads]
+        self.into = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n_blocks)]
+        self.keys = [i.to_bytes(16, "big") for i in range(n_blocks)]
+        self.raw_keys = [b"raw:" + k.hex().encode() for k in self.keys]
+        self.batches = [range(i, min(i + batch, n_blocks)) for i in range(0, n_blocks, batch)]
+        self.client = redis.Redis.from_url(url)
+        self.store = RedisStore(url, NAMESPACE, nbytes, max_bytes=4 * n_blocks * (nbytes + 4096), socket_timeout_s=30)
+
+    def raw_put(self) -> None:
+        for b in self.batches:
+            pipe = self.client.pipeline(transaction=False)
             for i in b:
-                pipe.set(raw_keys[i], views[i])
+                pipe.set(self.raw_keys[i], self.views[i])
             pipe.execute()
 
-    def raw_get() -> None:
-        for b in batches:
-            pipe = client.pipeline(transaction=False)
+    def raw_get(self) -> None:
+        for b in self.batches:
+            pipe = self.client.pipeline(transaction=False)
             for i in b:
-                pipe.get(raw_keys[i])
+                pipe.get(self.raw_keys[i])
             if any(v is None for v in pipe.execute()):
                 raise RuntimeError("raw GET missed")
 
-    def tier_put() -> None:
-        for b in batches:  # each batch one chain, as a request's blocks are
-            items = [(keys[i], keys[i - 1] if i != b.start else None, payloads[i]) for i in b]
-            if any(s is not PutStatus.STORED for s in store.put_many(items)):
+    def tier_put(self) -> None:
+        keys = self.keys
+        for b in self.batches:  # each batch one chain, as a request's blocks are
+            items = [(keys[i], keys[i - 1] if i != b.start else None, self.payloads[i]) for i in b]
+            if any(s is not PutStatus.STORED for s in self.store.put_many(items)):
                 raise RuntimeError("tier put failed")
 
-    def tier_get() -> None:
-        for b in batches:
-            if any(s is not ReadStatus.OK for s in store.get_many([keys[i] for i in b], [into[i] for i in b])):
+    def tier_get(self) -> None:
+        for b in self.batches:
+            statuses = self.store.get_many([self.keys[i] for i in b], [self.into[i] for i in b])
+            if any(s is not ReadStatus.OK for s in statuses):
                 raise RuntimeError("tier get missed")
 
-    def side(put: Callable[[], None], get: Callable[[], None]) -> Callable[[], tuple[float, float]]:
+    def round_of(self, put: Callable[[], None], get: Callable[[], None]) -> Callable[[], tuple[float, float]]:
         def one_round() -> tuple[float, float]:
-            client.flushdb()  # both sides store into an empty server (module doc)
+            self.client.flushdb()  # both sides store into an empty server (module doc)
             return timed(put)[0], timed(get)[0]
         return one_round
 
+    def close(self) -> None:
+        self.client.flushdb()
+        self.client.close()
+        self.store.close()
+
+
+def _one_size(url: str, nbytes: int, n_blocks: int, batch: int, runs: int) -> dict:
+    """Median put and get throughput (bytes/s) of raw redis-py and of the tier, alternating runs."""
+    sides = _Sides(url, nbytes, n_blocks, batch)
     try:
-        pairs = alternate(side(tier_put, tier_get), side(raw_put, raw_get), runs, lambda: None)
+        pairs = alternate(sides.round_of(sides.tier_put, sides.tier_get), sides.round_of(sides.raw_put, sides.raw_get),
+                          runs, lambda: None)
         times = {f"{name}_{op}": [t[i] for t in pairs[key]] for name, key in (("tier", "ours_s"), ("raw", "baseline_s"))
                  for i, op in enumerate(("put", "get"))}
-        if not all(torch.equal(a, b) for a, b in zip(into, payloads)):
+        if not all(torch.equal(a, b) for a, b in zip(sides.into, sides.payloads)):
             raise RuntimeError("tier get returned other bytes")
     finally:
-        client.flushdb()
-        client.close()
-        store.close()
+        sides.close()
     total = nbytes * n_blocks
     gbps = {name: total / statistics.median(t) / 1e9 for name, t in times.items()}
     paired = {op: [raw / tier for raw, tier in zip(times[f"raw_{op}"], times[f"tier_{op}"])] for op in ("put", "get")}
@@ -95,7 +107,7 @@ def _one_size(url: str, nbytes: int, n_blocks: int, batch: int, runs: int) -> di
         "get_ratio": round(statistics.median(paired["get"]), 3),
         "put_ratio_runs": [round(r, 3) for r in paired["put"]],
         "get_ratio_runs": [round(r, 3) for r in paired["get"]],
-    }  # fmt: skip
+    }
 
 
 def run(quick: bool = False) -> dict:

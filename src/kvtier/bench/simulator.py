@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from kvtier.policies import make_policy
-from kvtier.sim.policy_replay import PolicyReplayResult, policy_replay
 from kvtier.sim.mrc import lru_mrc
+from kvtier.sim.policy_replay import PolicyReplayResult, policy_replay
 from kvtier.timing import timed
 from kvtier.traces.locate import SOURCES, public_trace
 from kvtier.traces.mooncake import read_mooncake
@@ -183,7 +184,7 @@ def _replay_case(requests: list[TraceRequest], oracle: _Oracle, capacity: int, r
     n = len(oracle.blocks)
     out: dict[str, Any] = {}
     for policy in POLICIES:
-        runs = {
+        runs: dict[str, Callable[[], Any]] = {
             "ours": partial(policy_replay, requests, policy, capacity),
             "objects": partial(_through_objects, requests, policy, capacity),
             "c": partial(oracle.c_hits, policy, capacity),

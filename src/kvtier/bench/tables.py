@@ -87,7 +87,8 @@ def print_redis(console: Console, redis: dict) -> None:
         table.add_column(column, justify="left" if column == "block" else "right")
     for size, case in redis["redis_vs_raw"].items():
         table.add_row(size, f"{case['tier_put_GBps']:.2f} GB/s", f"{case['raw_put_GBps']:.2f} GB/s",
-                      f"{case['put_ratio']:.3f}", f"{case['tier_get_GBps']:.2f} GB/s", f"{case['raw_get_GBps']:.2f} GB/s",
+                      f"{case['put_ratio']:.3f}", f"{case['tier_get_GBps']:.2f} GB/s",
+                      f"{case['raw_get_GBps']:.2f} GB/s",
                       f"{case['get_ratio']:.3f}")
     console.print(table)
     ok = redis["min_ratio"] >= redis["target"]

@@ -59,10 +59,10 @@ def _tokens(seed: str, n: int) -> list[int]:
 def _tiers_main(model: str, config_json: str, out_path: str, reps: int, unique: int) -> None:
     """One engine: per rep, a fresh prompt cold, then after fillers evicted it, then at once again; then
     `unique` prompts that share nothing."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvtier.integrations.vllm.tiny_model import start_engine
+    from vllm import SamplingParams
 
     llm = start_engine(model, json.loads(config_json))
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -102,11 +102,11 @@ def _settle(llm: Any, max_steps: int = 1000) -> None:
 
 def _slow_disk_main(model: str, config_json: str, out_path: str) -> None:
     """One engine: SLOW_PROMPTS prompts served once, then SLOW_REQUESTS in turn with disk reads slowed."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvtier.integrations.vllm.tiny_model import start_engine
     from kvtier.rollout.faults import slow_reads
+    from vllm import SamplingParams
 
     delay = Path(out_path).with_suffix(".delay")
     slow_reads(delay)

@@ -52,8 +52,8 @@ def common(parser: argparse.ArgumentParser, requests: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvtier.report import readable_console
-    from kvtier.rollout.present import tables, write_html
     from kvtier.rollout.harness import Options
+    from kvtier.rollout.present import tables, write_html
     from kvtier.rollout.run import run as run_rollout
 
     try:

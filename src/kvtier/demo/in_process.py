@@ -88,10 +88,12 @@ class RunResult:
         }
 
 
-def run_one(name: str, requests: Sequence[Request], config: KVTierConfig | None, progress: Progress | None) -> RunResult:
+def run_one(name: str, requests: Sequence[Request], config: KVTierConfig | None,
+            progress: Progress | None) -> RunResult:
     shape = block_shape(DEMO_LAYOUT, BLOCK_TOKENS)
     engine = DemoEngineCache(ENGINE_BLOCKS)
-    cache = TieredCache(config, shape, torch.bfloat16, model="demo: the KV is a function of its key") if config else None
+    model = "demo: the KV is a function of its key"
+    cache = TieredCache(config, shape, torch.bfloat16, model=model) if config else None
     result = RunResult(name)
     task = progress.add_task(name, total=len(requests)) if progress else None
     try:

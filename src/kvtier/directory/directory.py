@@ -187,20 +187,25 @@ class Directory:
             return
         if step.dst == CALLER and self.shared is not None and step.src == self.shared.name:
             return  # a fetch read straight into the caller: no block of ours
-        table = self._table
         holds = self._ledger.release_hold(step)
-        block = table.find(step.key)
+        block = self._table.find(step.key)
         if block is None:
             return
         if holds and (src := block.copies.get(step.src)) is not None:
             src.readers -= 1
         if status is Status.SOURCE_LOST and step.src in block.copies:  # gone behind our back, or a demotion's
-            table.remove_copy(block, self.tier[step.src], already_deleted=True)  # source already left
+            self._table.remove_copy(block, self.tier[step.src], already_deleted=True)  # source already left
             self.stats.evictions[(step.src, "lost")] += 1
         if step.op is Op.GET:
             if not block.copies and not block.retiring:
-                table.drop(block)
+                self._table.drop(block)
             return
+        self._written(block, step, status)
+
+    def _written(self, block: Block, step: Step, status: Status) -> None:
+        """A COPY or PUT into `step.dst` ended: its copy there is readable now, or gone; a block left in no tier,
+        or dropped meanwhile, leaves (or retires) once no transfer touches it."""
+        table = self._table
         dst = block.copies.get(step.dst)
         if dst is not None and dst.state is CopyState.WRITING:
             if status is Status.OK:

@@ -8,8 +8,9 @@ moves its old bytes out (the victim's demotion comes first in the same chain).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from collections.abc import Set as AbstractSet
+from typing import cast
 
 from kvtier.directory.blocks import Block, Copy, CopyState
 from kvtier.directory.ledger import StepLedger
@@ -110,7 +111,8 @@ class Room:
         fallback: Block | None = None
         looked = 0
         has_lower = self._demote_to[tier.index] is not None  # a demotion keeps it
-        blocks, name, ready = self.table.blocks, tier.name, CopyState.READY
+        blocks = cast("dict[Hashable, Block]", self.table.blocks)  # a policy orders the keys we gave it
+        name, ready = tier.name, CopyState.READY
         for key in tier.policy.candidates(incoming):
             block = blocks[key]
             copy = block.copies[name]
@@ -135,7 +137,7 @@ class Room:
         if demote and target is not None and not any(t.name in block.copies for t in self.tiers[tier.index + 1 :]):
             self.copy_down(block, tier, target, chain, src_slot=copy.slot, offer=not target.spec.write_through)
         tier.used_blocks -= 1
-        if tier.slotted:
+        if copy.slot is not None:  # a slotted tier's
             tier.free_slots.append(copy.slot)
         else:
             chain.append(self.ledger.delete(tier.name, block.key))  # its bytes go to the incoming block
@@ -171,8 +173,7 @@ class Room:
             self.unallocate(dst, room, chain, since)
             return False
         src_copy = block.copies.get(src.name)
-        holds = src_copy is not None
-        if holds:
+        if src_copy is not None:
             src_copy.readers += 1
             src_slot = src_copy.slot
         block.copies[dst.name] = Copy(room, CopyState.WRITING)
@@ -180,7 +181,7 @@ class Room:
         dst.policy.insert(block.key, block.priority)
         step = self.ledger.step(Op.COPY, block.key, src.name, dst.name, src_slot, room, parent=block.parent,
                                 needs_prev=needs_prev)
-        if holds:
+        if src_copy is not None:
             self.ledger.hold(step)
         chain.append(step)
         self.stats.planned_moves[(src.name, dst.name)] += 1

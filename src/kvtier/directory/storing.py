@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.directory.blocks import Block, CopyState
-from kvtier.directory.plan import Plan
+from kvtier.directory.plan import Plan, Step
 from kvtier.directory.recency import Recency
 from kvtier.directory.room import Room
 from kvtier.directory.shared import SharedTierPlans
@@ -31,7 +31,7 @@ class StorePlanner:
 
     def plan(self, keys: Sequence[bytes], parent: bytes | None = None, priority: int = DEFAULT_PRIORITY) -> Plan:
         """See `Directory.plan_store`."""
-        table, room, disabled = self.table, self.room, self.room.disabled
+        table, disabled = self.table, self.room.disabled
         first = table.tiers[0]
         plan = Plan(chains=[])
         if first.name in disabled:
@@ -50,36 +50,20 @@ class StorePlanner:
         for i, key in enumerate(keys):
             block = table.blocks.get(key)
             if block is not None:
-                block.seen += 1
                 chain_blocks.append(block)
                 held.append(key)
-                block.pins += 1
                 parent_key = key
-                if key in self.read_below and self._promote(block, i, plan):
+                if self._existing(block, i, plan):
                     promoted.add(key)
                 if shared is not None and not shared.offer(block, plan.chains, new=False):
                     shared = None  # write-through stops where the shared tier's admission says no
                 continue
-            reason = self._refusal(key, parent_key, priority, first)
-            if reason is not None:
-                self.stats.stores_dropped[reason] += len(keys) - i
-                for later in keys[i + 1 :]:  # seen too: with "store on the second sighting", the next request
-                    if later not in table.blocks:  # stores the whole chain, not one more block
-                        table.sightings.sight(later)
-                break
-            made = room.make(first, key, plan, dropped=len(keys) - i)
+            made = self._new(keys, i, parent_key, priority, plan)
             if made is None:
                 break
-            slot, chain = made
-            if parent_key is not None and parent_key not in table.blocks:  # making room dropped the parent
-                room.give_back(first, slot, chain, plan)
-                self.stats.stores_dropped["orphan"] += len(keys) - i
-                break
-            block = Block(key, parent_key, priority, seen=table.sightings.take(key, 1))
-            table.link(block)
-            room.put(block, slot, chain, i)
+            block, chain = made
             for tier in through:
-                room.copy_down(block, first, tier, chain, needs_prev=True)
+                self.room.copy_down(block, first, tier, chain, needs_prev=True)
             if shared is not None and not shared.offer(block, chain, new=True):
                 shared = None
             plan.chains.append(chain)
@@ -89,6 +73,39 @@ class StorePlanner:
         table.unpin(held)
         self._order_stored(chain_blocks, new, promoted)
         return plan
+
+    def _existing(self, block: Block, index: int, plan: Plan) -> bool:
+        """A block of the chain the directory has: seen again, held while room is made for the new ones, and
+        promoted if a load read it from a slower tier (True)."""
+        block.seen += 1
+        block.pins += 1
+        return block.key in self.read_below and self._promote(block, index, plan)
+
+    def _new(self, keys: Sequence[bytes], i: int, parent_key: bytes | None, priority: int,
+             plan: Plan) -> tuple[Block, list[Step]] | None:
+        """`keys[i]`, a block the directory has not, given a first-tier copy written from the caller's `i`-th
+        block: the block and the chain that writes it; None when it is not stored (nor is any after it)."""
+        table, first = self.table, self.table.tiers[0]
+        key, left = keys[i], len(keys) - i
+        reason = self._refusal(key, parent_key, priority, first)
+        if reason is not None:
+            self.stats.stores_dropped[reason] += left
+            for later in keys[i + 1 :]:  # seen too: with "store on the second sighting", the next request
+                if later not in table.blocks:  # stores the whole chain, not one more block
+                    table.sightings.sight(later)
+            return None
+        made = self.room.make(first, key, plan, dropped=left)
+        if made is None:
+            return None
+        slot, chain = made
+        if parent_key is not None and parent_key not in table.blocks:  # making room dropped the parent
+            self.room.give_back(first, slot, chain, plan)
+            self.stats.stores_dropped["orphan"] += left
+            return None
+        block = Block(key, parent_key, priority, seen=table.sightings.take(key, 1))
+        table.link(block)
+        self.room.put(block, slot, chain, i)
+        return block, chain
 
     def _promote(self, block: Block, index: int, plan: Plan) -> bool:
         """A first-tier copy of a block a load read from a slower tier, PUT from the caller's bytes (its

@@ -118,7 +118,7 @@ class BlockTable:
         copy = block.copies.pop(tier.name)
         tier.policy.remove(block.key)
         self.announce(block.key, tier.name, False)
-        if tier.slotted:
+        if copy.slot is not None:  # a slotted tier's
             tier.free_slots.append(copy.slot)
             tier.used_blocks -= 1
         elif already_deleted:

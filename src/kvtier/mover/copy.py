@@ -60,6 +60,7 @@ def copy_blocks(slab: SlotStore, blocks: Sequence[CallerBlock], moves: Sequence[
                 kind = (block.dtype, block.shape)
                 typed = slab.slots_as(*kind)
                 count = typed.shape[0]
+            assert typed is not None
             if not 0 <= slot < count:
                 raise ValueError(f"slot {slot} out of range [0, {count})")
             slot_side.append(typed[slot])

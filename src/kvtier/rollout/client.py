@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -70,7 +71,7 @@ async def _send(url: str, model: str, prompts: Sequence[Prompt], rate: float | N
         return list(await asyncio.gather(*tasks))
 
 
-async def _request(session, url: str, model: str, prompt: Prompt) -> Result:  # type: ignore[no-untyped-def]
+async def _request(session: Any, url: str, model: str, prompt: Prompt) -> Result:
     import aiohttp
 
     body = {"model": model, "prompt": prompt.tokens, "max_tokens": prompt.max_tokens, "temperature": 0.0,
@@ -101,7 +102,7 @@ async def _request(session, url: str, model: str, prompt: Prompt) -> Result:  # 
                 if usage:
                     result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
                     result.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.e2e = time.perf_counter() - start
     return result

@@ -18,6 +18,7 @@ import errno
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 HOOK = """import os
 if os.environ.get("KVTIER_DRILL_DIR"):
@@ -50,7 +51,7 @@ def install(control: str) -> None:
     slow_reads(Path(control) / "read_delay_s")
     full, transfer = Path(control) / "full", disk.transfer
 
-    def maybe_full(fn, fd, bufs, offset=0):  # type: ignore[no-untyped-def]
+    def maybe_full(fn: Any, fd: int, bufs: Any, offset: int = 0) -> int:
         if fn is os.pwritev and full.exists():
             raise OSError(errno.ENOSPC, "No space left on device (rollout drill)")
         return transfer(fn, fd, bufs, offset)
@@ -59,11 +60,13 @@ def install(control: str) -> None:
 
 
 def slow_reads(delay_file: Path) -> None:
+    from kvtier.stores.base import ReadStatus
+    from kvtier.stores.buffers import Buffer
     from kvtier.stores.disk import DiskStore
 
     read = DiskStore.read
 
-    def slow_read(self, key, into):  # type: ignore[no-untyped-def]
+    def slow_read(self: DiskStore, key: bytes, into: Buffer) -> ReadStatus:
         try:
             delay = float(delay_file.read_text() or 0)
         except (OSError, ValueError):

@@ -188,13 +188,14 @@ class _Cluster:
         order = [(start + i) % n for i in range(n)]
         shared_lead = self.shared.lead(r.blocks) if self.shared is not None else 0
         if c.routing == "affinity":  # the lowest estimated TTFT; the first of `order` wins a tie
-            best = None
+            best: tuple[float, int, tuple[int, int], float, float] | None = None
             for e in order:
                 hits = self.hits(r, e, shared_lead)
                 load, prefill = self.service(r, hits)
                 est = max(self.free_at[e] - t, 0.0) + load + prefill
                 if best is None or est < best[0]:
                     best = (est, e, hits, load, prefill)
+            assert best is not None
             _, engine, hits, load, prefill = best
         else:
             if c.routing == "prefix":

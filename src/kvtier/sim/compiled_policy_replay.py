@@ -101,8 +101,9 @@ def lru(ids, starts, capacity, distinct):
     return hits, lead
 
 
+# one loop that mirrors the policy object's methods rule for rule (the complexity is theirs, inlined)
 @njit(cache=True, nogil=True)
-def arc(ids, starts, capacity, distinct):
+def arc(ids, starts, capacity, distinct):  # noqa: C901
     """ARCPolicy: candidates(key) (adapt, the |T1| = c discard, which list first), evicted, insert."""
     where, prev, nxt, head, tail, size = queues(distinct, 4)
     p = 0.0
@@ -154,8 +155,9 @@ def arc(ids, starts, capacity, distinct):
     return hits, lead
 
 
+# one loop that mirrors the policy object's methods rule for rule (the complexity is theirs, inlined)
 @njit(cache=True, nogil=True)
-def s3fifo(ids, starts, capacity, distinct):
+def s3fifo(ids, starts, capacity, distinct):  # noqa: C901
     """S3FIFOPolicy at its defaults: small FIFO, main FIFO with a 2-bit clock, ghost FIFO; warm-up."""
     where, prev, nxt, head, tail, size = queues(distinct, 3)
     freq = np.zeros(distinct, np.int64)

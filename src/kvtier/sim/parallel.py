@@ -43,8 +43,9 @@ def map_configs(replay: Callable[[C, Tick | None], R], configs: Sequence[C], on_
             while True:
                 done, _ = wait(futures, timeout=_POLL_S)
                 now = _replayed.value
-                for _ in range(now - seen if on_request is not None else 0):
-                    on_request()
+                if on_request is not None:
+                    for _ in range(now - seen):
+                        on_request()
                 seen = now
                 if len(done) == len(futures):
                     return [future.result() for future in futures]

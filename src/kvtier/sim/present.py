@@ -84,7 +84,8 @@ def _row(r: SimResult) -> list[str]:
 
 def _drops(r: SimResult) -> list[str]:
     def fmt(counter) -> str:
-        return ", ".join(f"{'/'.join(k) if isinstance(k, tuple) else k} {n:,}" for k, n in sorted(counter.items())) or "-"
+        return ", ".join(f"{'/'.join(k) if isinstance(k, tuple) else k} {n:,}"
+                         for k, n in sorted(counter.items())) or "-"
 
     return [r.name, fmt(r.evictions), fmt(r.admission_rejects), fmt(r.stores_dropped)]
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import math
 import tempfile
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +39,8 @@ from kvtier.policies.base import DEFAULT_PRIORITY
 from kvtier.sim.configs import SimConfig
 from kvtier.sim.cost import CostModel
 from kvtier.sim.engine import EngineCache
-from kvtier.sim.parallel import map_configs
 from kvtier.sim.instant_mover import complete_instantly
+from kvtier.sim.parallel import map_configs
 from kvtier.sizing import tier_specs
 from kvtier.stores.base import TierKind
 from kvtier.traces.request import TraceRequest
@@ -147,7 +147,7 @@ class _Links:
     """Each link serves one transfer at a time, in order of arrival."""
 
     def __init__(self) -> None:
-        self.free_at: Counter = Counter()
+        self.free_at: defaultdict[str, float] = defaultdict(float)
 
     def transfer(self, link_name: str, seconds: float, at: float) -> float:
         begin = max(at, self.free_at[link_name])
@@ -177,13 +177,13 @@ def _run(
 ) -> SimResult:
     now = [0.0]
     config = sim_config.validated(scratch)
-    directory = control = None
-    tier_order: list[str] = []
-    if config is not None:
-        directory = Directory(tier_specs(config, setup.block_bytes), clock=lambda: now[0], stage_loads=False)
-        tier_order = directory.names
-        control = Control(directory, config, setup.block_bytes, start=requests[0].timestamp if requests else 0.0,
-                          guard=guard_config, keep=None)
+    control: Control | None = None
+    if config is not None:  # the runtime's directory, guard and decision, on the virtual clock
+        tiers = Directory(tier_specs(config, setup.block_bytes), clock=lambda: now[0], stage_loads=False)
+        first_arrival = requests[0].timestamp if requests else 0.0
+        control = Control(tiers, config, setup.block_bytes, start=first_arrival, guard=guard_config, keep=None)
+    directory = control.directory if control is not None else None
+    tier_order = control.tiers if control is not None else []
     sources_of: list[str] = [ENGINE] * len(requests)
     engine = EngineCache(setup.engine_blocks)
     cost, block_bytes = setup.cost, setup.block_bytes
@@ -203,10 +203,8 @@ def _run(
                 if control is not None:
                     control.observe(sources_of[i], when, ttft_s=ttft[i])
                 continue
-            if control is not None and requests[i].output_tokens > 1:
-                control.observe(sources_of[i], when, itl_s=[cost.itl_s])
-            if directory is not None and full:
-                complete_instantly(directory, directory.plan_store(keys[i][:full], priority=_priority(requests[i])))
+            if control is not None:
+                _finished(control, keys[i][:full], requests[i], sources_of[i], when, cost.itl_s)
 
     for i, request in enumerate(requests):
         free = heapq.heappop(servers)
@@ -216,18 +214,8 @@ def _run(
         blocks, bt = request.blocks, request.block_tokens
         in_engine = engine.hit_prefix(blocks)
         sources: list[str] = [ENGINE] * in_engine
-        if directory is not None and control is not None and in_engine < len(blocks):
-            skip = control.route(start)
-            decider = control.decider
-            found = directory.lookup(keys[i][in_engine:], skip)
-            tokens = [min(bt, request.input_tokens - j * bt) for j in range(in_engine, in_engine + len(found))]
-            _queue(decider, directory, cost, links, start)
-            take = decider.blocks_to_load(found, tokens, start, count_as=request_source(found, tier_order, False))
-            plan = directory.plan_load(keys[i][in_engine : in_engine + take], skip=skip)
-            complete_instantly(directory, plan)
-            directory.finish_load(plan)
-            directory.record_lookup(plan.sources, len(blocks) - in_engine)
-            sources += plan.sources
+        if control is not None and in_engine < len(blocks):
+            sources += _load_plan(control, keys[i], request, in_engine, start, cost, links)
         loaded_at = _load(sources[in_engine:], directory, cost, block_bytes, links, start)
         cached_tokens = max(0, min(len(sources) * bt, request.input_tokens - 1))  # the last token is computed
         prefill = cost.prefill_seconds(request.input_tokens - cached_tokens, cached_tokens)
@@ -248,16 +236,46 @@ def _run(
     result.ttft_s = ttft
     result.end_s = now[0]
     if control is not None:
-        control.tick(now[0])
-        result.guard = list(control.guard.history) if control.guard is not None else []
-        result.load_decisions = control.decider.decisions
-    if directory is not None:
-        stats = directory.stats
-        for (src, dst), n in stats.planned_moves.items():
-            result.moved_bytes[f"{ENGINE if src == CALLER else src}->{dst}"] += n * block_bytes
-        result.evictions, result.admission_rejects = stats.evictions, stats.admission_rejects
-        result.stores_dropped = stats.stores_dropped
+        _tiers_figures(result, control, now[0], block_bytes)
     return result
+
+
+def _finished(control: Control, keys: list[bytes], request: TraceRequest, source: str, when: float,
+              itl_s: float) -> None:
+    """A request's last token: its token gaps to the guard, its full blocks stored."""
+    if request.output_tokens > 1:
+        control.observe(source, when, itl_s=[itl_s])
+    if keys:
+        complete_instantly(control.directory, control.directory.plan_store(keys, priority=_priority(request)))
+
+
+def _load_plan(control: Control, keys: list[bytes], request: TraceRequest, in_engine: int, start: float,
+               cost: CostModel, links: _Links) -> list[str]:
+    """The request's blocks after the engine's hit that kvtier loads (the decision's share of what it found):
+    the tier of each, as the runtime plans them."""
+    directory, decider, bt = control.directory, control.decider, request.block_tokens
+    skip = control.route(start)
+    found = directory.lookup(keys[in_engine:], skip)
+    tokens = [min(bt, request.input_tokens - j * bt) for j in range(in_engine, in_engine + len(found))]
+    _queue(decider, directory, cost, links, start)
+    take = decider.blocks_to_load(found, tokens, start, count_as=control.source_of(found, engine_hit=False))
+    plan = directory.plan_load(keys[in_engine : in_engine + take], skip=skip)
+    complete_instantly(directory, plan)
+    directory.finish_load(plan)
+    directory.record_lookup(plan.sources, len(request.blocks) - in_engine)
+    return plan.sources
+
+
+def _tiers_figures(result: SimResult, control: Control, end: float, block_bytes: int) -> None:
+    """The guard's transitions, the decisions and the directory's counters, into `result`."""
+    control.tick(end)
+    result.guard = list(control.guard.history) if control.guard is not None else []
+    result.load_decisions = control.decider.decisions
+    stats = control.directory.stats
+    for (src, dst), n in stats.planned_moves.items():
+        result.moved_bytes[f"{ENGINE if src == CALLER else src}->{dst}"] += n * block_bytes
+    result.evictions, result.admission_rejects = stats.evictions, stats.admission_rejects
+    result.stores_dropped = stats.stores_dropped
 
 
 def _full_blocks(request: TraceRequest) -> int:

@@ -137,6 +137,8 @@ class SharedStore(ObjectStore, Protocol):
 
     def used_bytes(self) -> int | None: ...
 
+    def capacity_bytes(self) -> int: ...
+
 
 @dataclass
 class Stores:

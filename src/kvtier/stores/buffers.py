@@ -8,7 +8,7 @@ one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Union, cast
 
 import numpy as np
 
@@ -23,11 +23,11 @@ Buffer = Union["torch.Tensor", memoryview, bytes, bytearray]
 def byte_view(buf: Buffer, nbytes: int, what: str, writable: bool = False) -> memoryview:
     """Exactly `nbytes` of `buf` as a flat byte view (no copy)."""
     if hasattr(buf, "data_ptr"):  # a tensor: checked without importing torch here
-        t = buf
+        t = cast("torch.Tensor", buf)
         if t.device.type != "cpu" or str(t.dtype) != "torch.uint8" or not t.is_contiguous() or t.numel() != nbytes:
             raise ValueError(f"{what} must be a contiguous CPU uint8 tensor of {nbytes} bytes, "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-        return memoryview(t.numpy()).cast("B")
+        return t.numpy().data.cast("B")
     view = memoryview(buf).cast("B")
     if view.nbytes != nbytes or (writable and view.readonly):
         raise ValueError(f"{what} must be a {'writable ' if writable else ''}buffer of {nbytes} bytes, "

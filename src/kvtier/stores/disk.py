@@ -29,8 +29,8 @@ from kvtier.layout import DISK_HEADER_NBYTES, disk_footprint, round_up
 from kvtier.stores import blockformat
 from kvtier.stores.base import ReadStatus, RecoveredBlock
 from kvtier.stores.blockformat import Header, check_key, parse_header
-from kvtier.stores.claim import claim, release
 from kvtier.stores.buffers import Buffer, aligned, byte_view
+from kvtier.stores.claim import claim, release
 from kvtier.stores.files import DIR, DIRECT, RD, WR, file_name, open_private_dir, subdir, transfer
 
 HEADER_NBYTES = DISK_HEADER_NBYTES  # blockformat's header, zero-padded to the O_DIRECT alignment
@@ -235,8 +235,8 @@ class DiskStore:
             got, want = transfer(os.preadv, fd, [header, out]), HEADER_NBYTES + self.payload_nbytes
         parsed = self._parse_header(header[: min(got, HEADER_NBYTES)])
         status = self._classify(parsed, name, self.footprint)
-        if status is not ReadStatus.OK:
-            return status
+        if status is not ReadStatus.OK or parsed is None:
+            return status if status is not ReadStatus.OK else ReadStatus.CORRUPT
         if got != want or xxhash.xxh3_64_intdigest(payload) != parsed.payload_xxh3:
             return ReadStatus.CORRUPT
         if not blockformat.authentic(parsed, payload, self._auth):
@@ -350,5 +350,5 @@ class DiskStore:
         files = sum(
             1 for sub_name, _, name, st in self._entries()
             if sub_name is not None and stat.S_ISREG(st.st_mode) and name.endswith((".kv", ".tmp"))
-        )  # fmt: skip
+        )
         return files * self.footprint

@@ -90,6 +90,7 @@ class HostSlab:
         """Fault every page in now, as pinning does and as vLLM's own KV cache is: memory the tier was given is
         taken at startup (a host too small shows then, not mid-traffic), and no store pays the kernel's
         first-touch faults. What this costs at startup and saves per store: benchmarks/README.md."""
+        assert self._mmap is not None
         try:
             self._mmap.madvise(MADV_POPULATE_WRITE)  # Linux >= 5.14: faults the pages in, writes nothing
         except OSError as e:

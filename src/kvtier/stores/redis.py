@@ -49,7 +49,7 @@ import secrets
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import redis
@@ -122,7 +122,7 @@ class RedisStore:
             url, max_connections=pool_size, timeout=connect_timeout_s + socket_timeout_s,
             socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
             retry=Retry(NoBackoff(), 0), health_check_interval=0, **connection_kwargs,
-        )  # fmt: skip
+        )
         self._counts, self._counts_lock = Counter[str](), threading.Lock()
 
     @property
@@ -166,7 +166,7 @@ class RedisStore:
                 header = bytearray(blockformat.HEADER_NBYTES)
                 mac = blockformat.mac_of(self._auth, self._ns, key, parent, view) if self._auth else blockformat.NO_MAC
                 blockformat.pack_header(header, self._ns, key, parent, self.payload_nbytes,
-                                        blockformat.payload_checksum(view), mac)  # fmt: skip
+                                        blockformat.payload_checksum(view), mac)
                 yield small + b"*5\r\n$3\r\nSET\r\n" + bulk(tmp) + b"$%d\r\n" % self.value_nbytes + header
                 yield view
                 small = b"\r\n" + bulk(b"PX") + bulk(b"%d" % _PENDING_TTL_MS)
@@ -262,7 +262,7 @@ class RedisStore:
             self.delete_many(bad)
         return self._count_all(statuses, "get")
 
-    def _judge(self, key: bytes, got: bytes | bool | None, header: memoryview, out: memoryview) -> ReadStatus:
+    def _judge(self, key: bytes, got: bytes | Literal[True] | None, header: memoryview, out: memoryview) -> ReadStatus:
         """A GET's reply: True, a value of a block's size already in `header` and `out`; bytes, a value of another
         size; None, nil or an error. Only an OK read leaves bytes in `out`: what a bad value wrote is zeroed."""
         if got is None:
@@ -357,7 +357,7 @@ class RedisStore:
         with self._counts_lock:
             counts = dict(self._counts)
         return {"breaker_state": b.state.value, "breaker_opens": b.opens, "breaker_closes": b.closes,
-                "breaker_failures": b.failures, "breaker_rejected": b.rejected, **counts}  # fmt: skip
+                "breaker_failures": b.failures, "breaker_rejected": b.rejected, **counts}
 
     # -- plumbing ---------------------------------------------------------------------------------------
 

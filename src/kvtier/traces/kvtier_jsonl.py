@@ -29,6 +29,7 @@ def read_kvtier_jsonl(path: Path, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> I
         if has_tokens == has_keys:
             problem = "a line needs exactly one of 'tokens' and 'keys'"
             raise TraceError(path, line, "tokens" if not has_tokens else "keys", problem)
+        keys: list[bytes] | list[int]
         if has_tokens:
             keys = _token_keys(obj["tokens"], block_tokens, path, line)
             size = block_tokens

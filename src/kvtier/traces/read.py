@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-
 from pathlib import Path as FsPath
 
 from kvtier.traces.agentic import is_agentic, read_agentic

@@ -86,20 +86,31 @@ class KVTierConnector(KVConnectorBase_V1):
         """This instance's worker half (None in the scheduler): stores, mover and their metrics."""
         return self._worker
 
+    def _scheduler_half(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("kvtier: a scheduler hook was called on a worker's connector")
+        return self._scheduler
+
+    def _worker_half(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("kvtier: a worker hook was called on the scheduler's connector")
+        return self._worker
+
     # ---------------------------------------------------------------- scheduler half
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_half().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_half().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler.build_connector_meta(scheduler_output)
+        return self._scheduler_half().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._scheduler.update_connector_output(connector_output.kv_connector_worker_meta,
-                                                connector_output.finished_recving)
+        meta = connector_output.kv_connector_worker_meta
+        assert meta is None or isinstance(meta, KVTierWorkerMetadata)
+        self._scheduler_half().update_connector_output(meta, connector_output.finished_recving)
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()
@@ -112,12 +123,12 @@ class KVTierConnector(KVConnectorBase_V1):
 
         names = {TierKind.HOST: CacheHitSource.HOST, TierKind.DISK: CacheHitSource.DISK}
         sources: Counter = Counter()
-        for kind, tokens in self._scheduler.served_by_kind(request.request_id).items():
+        for kind, tokens in self._scheduler_half().served_by_kind(request.request_id).items():
             sources[names.get(kind, CacheHitSource.EXTERNAL_UNSPECIFIED)] += tokens
         return {source: n for source, n in sources.items() if n > 0}
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request, block_ids)
+        return self._scheduler_half().request_finished(request, block_ids)
 
     def take_events(self) -> list[Any]:
         """kvtier's BlockStored / BlockRemoved since the last call (`kvtier.integrations.vllm.events`)."""
@@ -130,12 +141,12 @@ class KVTierConnector(KVConnectorBase_V1):
     # ---------------------------------------------------------------- worker half
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker.register_kv_caches(kv_caches, self._num_blocks)
+        self._worker_half().register_kv_caches(kv_caches, self._num_blocks)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
-        self._worker.start(meta)
+        self._worker_half().start(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are whole-request and asynchronous: vLLM waits for finished_recving
@@ -144,21 +155,23 @@ class KVTierConnector(KVConnectorBase_V1):
         return None  # stores copy finished requests' blocks, which vLLM holds for us
 
     def wait_for_save(self) -> None:
-        self._worker.wait_if_idle(self._get_connector_metadata())
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        self._worker_half().wait_if_idle(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.get_finished(finished_req_ids)
+        return self._worker_half().get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.get_block_ids_with_load_errors()
+        return self._worker_half().get_block_ids_with_load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._worker.worker_meta()
+        return self._worker_half().worker_meta()
 
     # ---------------------------------------------------------------- stats (both halves; vLLM aggregates them)
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
-        half = self._scheduler or self._worker
+        half: SchedulerSide | WorkerSide = self._scheduler or self._worker_half()
         stats = KVTierStats(half.stats_payload())
         return None if stats.is_empty() else stats
 

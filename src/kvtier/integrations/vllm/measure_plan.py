@@ -89,4 +89,7 @@ def _engine_blocks(model: str, kv_bytes: int, block_tokens: int, max_model_len: 
     llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_model_len,
               block_size=block_tokens, kv_cache_memory_bytes=kv_bytes, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max(max_batched_tokens, max_model_len), seed=0)
-    return int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
+    blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    if blocks is None:
+        raise RuntimeError("vLLM sized no KV cache")
+    return int(blocks)

@@ -33,7 +33,6 @@ from kvtier.integrations.vllm.scheduler_stats import SchedulerStats
 from kvtier.integrations.vllm.setup import Geometry
 from kvtier.keys import precomputed_keys
 from kvtier.sizing import shared_spec, tier_specs
-from kvtier.stores.base import TierKind
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import Any
 
 from kvtier.config import KVTierConfig
 from kvtier.directory import Directory
@@ -33,7 +34,7 @@ class SchedulerStats:
         d = self.directory
         tokens = {k: v * self.geo.block_tokens for k, v in d.stats.lookup_blocks.items()}
         usage = d.usage()
-        payload = {
+        payload: dict[str, dict[str, Any]] = {
             "counters": {
                 "lookup_tokens": self._deltas.take("lookup_tokens", tokens),
                 "evictions": self._deltas.take("evictions", d.stats.evictions),

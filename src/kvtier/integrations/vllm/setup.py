@@ -52,8 +52,9 @@ class Geometry:
 
 def read_config(vllm_config: VllmConfig) -> KVTierConfig:
     """kvtier's config from `kv_connector_extra_config`, with the engine's block size filled in."""
-    return for_engine(vllm_config.kv_transfer_config.kv_connector_extra_config or {},
-                      vllm_config.cache_config.block_size)
+    transfer = vllm_config.kv_transfer_config
+    assert transfer is not None, "the connector is built from a kv_transfer_config"
+    return for_engine(transfer.kv_connector_extra_config or {}, vllm_config.cache_config.block_size)
 
 
 def geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KVTierConfig) -> Geometry:
@@ -79,6 +80,7 @@ def geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KV
 def _weights(model_config: Any) -> str:
     """The identity of the weights the engine serves (kvtier.weights), not the path it found them at."""
     hf_config = getattr(model_config, "hf_config", None)
-    config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
+    to_dict = getattr(hf_config, "to_dict", None)
+    config = to_dict() if callable(to_dict) else {}
     return weights_identity(str(model_config.model), config, getattr(model_config, "quantization", None),
                             getattr(model_config, "revision", None))

@@ -86,16 +86,21 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
         def labels(family: Family) -> list[str]:
             return labelnames + list(family.labels) + (PER_CLIENT if family.per_client else [])
 
-        self._counters = {f.name: self._counter_cls(name=f"kvtier_{f.name}", documentation=f.doc, labelnames=labels(f))
+        # vLLM's prometheus_client classes (or its multiprocess wrappers): typed loosely there, so here
+        counter: Any = self._counter_cls
+        gauge: Any = self._gauge_cls
+        histogram: Any = self._histogram_cls
+        self._counters = {f.name: counter(name=f"kvtier_{f.name}", documentation=f.doc, labelnames=labels(f))
                           for f in FAMILIES.values() if f.kind == "counter"}
-        self._gauges = {f.name: self._gauge_cls(name=f"kvtier_{f.name}", documentation=f.doc, labelnames=labels(f),
-                                                multiprocess_mode="mostrecent")
+        self._gauges = {f.name: gauge(name=f"kvtier_{f.name}", documentation=f.doc, labelnames=labels(f),
+                                      multiprocess_mode="mostrecent")
                         for f in FAMILIES.values() if f.kind == "gauge"}
-        self._histograms = {f.name: self._histogram_cls(name=f"kvtier_{f.name}", documentation=f.doc,
-                                                        labelnames=labels(f), buckets=list(MOVE_BUCKETS))
+        self._histograms = {f.name: histogram(name=f"kvtier_{f.name}", documentation=f.doc, labelnames=labels(f),
+                                              buckets=list(MOVE_BUCKETS))
                             for f in FAMILIES.values() if f.kind == "histogram"}
         self._from_startup(vllm_config, per_engine_labelvalues)
 

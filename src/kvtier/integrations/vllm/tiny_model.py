@@ -20,7 +20,8 @@ def build_tiny_llama(path: str | Path, layers: int = 4, seed: int = 0, init_scal
                          num_key_value_heads=2, vocab_size=32000, max_position_embeddings=4096,
                          bos_token_id=1, eos_token_id=2, initializer_range=init_scale)
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).to(torch.bfloat16).eval().save_pretrained(path)
+    model: Any = LlamaForCausalLM(config)  # transformers' stubs type `.to` for devices only
+    model.to(torch.bfloat16).eval().save_pretrained(path)
     if tokenizer:
         from kvtier.integrations.vllm.tiny_tokenizer import build_tokenizer
 

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -37,7 +38,7 @@ IDLE_WAIT_S = 0.005  # longest an idle step waits for a store or a load: a new r
 
 def engine_pages(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[torch.Tensor]:
     """Every layer's KV as uint8 `(num_blocks, page)` views, in layer order (no copy)."""
-    pages = []
+    pages: list[torch.Tensor] = []
     for name, tensor in kv_caches.items():
         if not tensor.is_contiguous():
             raise ValueError(f"kvtier: KV cache of layer {name} is not contiguous: {tuple(tensor.shape)}")
@@ -91,10 +92,10 @@ class WorkerSide:
         assert self.mover is not None, "register_kv_caches first"
         if meta.deletes:
             self.mover.delete(meta.deletes)
-        for job in meta.stores:
-            self._store(job)
-        for job in meta.loads:
-            self._load(job)
+        for store in meta.stores:
+            self._store(store)
+        for load in meta.loads:
+            self._load(load)
 
     def _store(self, job: StoreJob) -> None:
         steps = [s for c in job.chains for s in c]
@@ -102,6 +103,7 @@ class WorkerSide:
         if job.holds:
             with self._lock:
                 self._puts_left[job.request_id] = set(puts)
+        assert self.mover is not None
         if not self.mover.reserve_store():  # the scheduler bounds stores too; this is the backstop
             self.metrics.count("stores_dropped", "queue_full", len(puts))
             self._report(steps, Status.FAILED)
@@ -144,7 +146,7 @@ class WorkerSide:
                 self._loads_running -= 1
                 self._sent.notify_all()
 
-    def _report(self, steps: list[Step] | tuple[Step, ...], status: Status) -> None:
+    def _report(self, steps: Sequence[Step], status: Status) -> None:
         with self._lock:
             for step in steps:
                 self._completions[step.id] = status
