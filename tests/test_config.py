@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
 from kvtier.cli import main
-from kvtier.config import ConfigError, parse_config
+from kvtier.cli.main import _parser as cli_parser
+from kvtier.config import ConfigError, parse_config, parse_guard
 from kvtier.sizing import tier_specs
 
 GOOD = {"cpu_bytes_to_use": 1 << 20, "block_size": 256}
@@ -124,3 +127,59 @@ def test_cli_help_explains_itself():
     assert proc.returncode == 0
     for word in ("demo", "bench", "config", "host DRAM"):
         assert word in proc.stdout
+
+
+@pytest.mark.parametrize(("text", "field"), [
+    ('{"cpu_bytes_to_use": 1048576, "prefill_tokens_per_s": Infinity}', "prefill_tokens_per_s"),
+    ('{"cpu_bytes_to_use": 1048576, "prefill_tokens_per_s": NaN}', "prefill_tokens_per_s"),
+    ('{"cpu_bytes_to_use": 1048576, "guard": {"ttft_p99_ms": 100, "window_s": Infinity}}', "guard.window_s"),
+    ('{"cpu_bytes_to_use": 1048576, "guard": {"ttft_p99_ms": 100, "hold_s": 1e400}}', "guard.hold_s"),
+    ('{"cpu_bytes_to_use": 1048576, "shutdown_flush_s": -Infinity}', "shutdown_flush_s"),
+    ('{"cpu_bytes_to_use": 1048576, "secondary_tiers": [{"type": "redis", "url": "redis://h:6379/0", '
+     '"max_bytes": 16777216, "trusted_network": true, "socket_timeout_s": Infinity}]}',
+     r"secondary_tiers\[0\].socket_timeout_s"),
+    ('{"cpu_bytes_to_use": 1048576, "secondary_tiers": [{"type": "redis", "url": "redis://h:6379/0", '
+     '"max_bytes": 16777216, "trusted_network": true, "socket_timeout_s": 1e12}]}',  # past what a socket takes
+     r"secondary_tiers\[0\].socket_timeout_s"),
+    ('{"cpu_bytes_to_use": 1048576, "secondary_tiers": [{"type": "redis", "url": "redis://h:6379/0", '
+     '"max_bytes": 16777216, "trusted_network": true, "oom_cap_s": 1e400}]}', r"secondary_tiers\[0\].oom_cap_s"),
+])
+def test_numbers_that_are_not_finite_or_past_what_their_use_takes_are_refused_naming_the_field(tmp_path, text, field):
+    """JSON's Infinity and NaN (Python's json reads them) passed every bound, then overflowed in every Redis call
+    while the breaker stayed closed (r_config_inf.py)."""
+    with pytest.raises(ConfigError, match=field):
+        parse_config(text)
+    path = tmp_path / "c.json"
+    path.write_text(text)
+    assert main(["config", str(path)]) == 2
+
+
+def test_a_guard_given_apart_refuses_infinity_too():
+    with pytest.raises(ConfigError, match="guard: window_s"):
+        parse_guard('{"ttft_p99_ms": 100, "window_s": Infinity}')
+
+
+def _float_flags(parser: argparse.ArgumentParser, path: str = "kvtier") -> Iterator[str]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _float_flags(sub, f"{path} {name}")
+        elif action.type is float:
+            yield f"{path} {'/'.join(action.option_strings)}"
+
+
+def test_no_flag_of_the_cli_takes_a_bare_float():
+    """argparse's float reads 'inf' and 'nan': every float flag goes through finite_float."""
+    assert list(_float_flags(cli_parser())) == []
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["simulate", "t.jsonl", "--tflops", "inf"], "--tflops"),
+    (["analyze", "t.jsonl", "--ttft-budget-ms", "nan"], "--ttft-budget-ms"),
+    (["generate", "shared", "out.jsonl", "--rate=-inf"], "--rate"),
+])
+def test_a_float_flag_that_is_not_finite_exits_2_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert f"argument {flag}: must be a finite number" in capsys.readouterr().err

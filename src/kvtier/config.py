@@ -7,8 +7,10 @@ A user of vLLM's native offloading switches by changing the connector name: `cpu
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import math
 import os
 import re
 import tempfile
@@ -36,6 +38,8 @@ assert set(get_args(PolicyName)) == set(POLICIES), "a policy registered in kvtie
 Priority = Annotated[int, Field(ge=0, le=100)]
 HOST = "host"  # the first tier's name
 SHARED = "redis"  # the shared tier's name
+MAX_TIMEOUT_S = 3600.0  # a socket timeout or a breaker's cooldown
+MAX_CAP_S = 7 * 86400.0  # how long Redis keeps a lowered bound (an expiry in ms)
 
 
 class ConfigError(ValueError):
@@ -43,7 +47,10 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+    """Unknown keys are errors, and so are JSON's Infinity and NaN (Python's json reads them): a timeout or a rate
+    that is not a finite number passes every bound check, then fails every call that uses it."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True, allow_inf_nan=False)
 
 
 _M = TypeVar("_M", bound=_Strict)
@@ -105,12 +112,14 @@ class RedisTierConfig(_Strict):
     url: str
     max_bytes: PositiveInt  # bound on all engines' values under key_prefix (headers included)
     key_prefix: str = Field("kvtier:", max_length=200)
-    socket_timeout_s: PositiveFloat = 1.0  # one send or receive; a slower server counts as a failure
-    connect_timeout_s: PositiveFloat = 0.5
+    # Durations go to the socket layer and to Redis as ints: bounded, so that a huge one is refused here rather
+    # than overflowing in every call.
+    socket_timeout_s: float = Field(1.0, gt=0, le=MAX_TIMEOUT_S)  # one send or receive; slower is a failure
+    connect_timeout_s: float = Field(0.5, gt=0, le=MAX_TIMEOUT_S)
     pool_size: PositiveInt = 16  # connections per worker; mover threads beyond it wait for one
     breaker_failures: PositiveInt = 3  # consecutive failures that open the circuit breaker
-    breaker_cooldown_s: PositiveFloat = 2.0  # open this long, then one probe call
-    oom_cap_s: PositiveFloat = 600.0  # how long a bound that a Redis refusing a put for memory set holds
+    breaker_cooldown_s: float = Field(2.0, gt=0, le=MAX_TIMEOUT_S)  # open this long, then one probe call
+    oom_cap_s: float = Field(600.0, gt=0, le=MAX_CAP_S)  # how long a bound set by a put Redis refused for memory holds
     n_read_threads: PositiveInt = 8
     n_write_threads: PositiveInt = 4
     write_policy: Literal["write_back", "write_through"] = "write_back"
@@ -256,6 +265,17 @@ class KVTierConfig(_Strict):
         return AdmissionConfig(
             min_priority=self.secondary_offload_min_priority, min_sightings=self.admit_after_sightings
         )
+
+
+def finite_float(text: str) -> float:
+    """argparse's type for every float flag: `float()` reads 'inf' and 'nan', which then pass every bound check."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
