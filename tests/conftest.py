@@ -49,6 +49,13 @@ def missing(part: str) -> None:
     pytest.skip(part)
 
 
+# A redis tier needs auth_key_env or "trusted_network": true. Tests sign their blocks with this secret (an engine
+# of another test's deployment, or a test's stand-in for another engine of the same one, passes its key too).
+REDIS_SECRET_ENV = "KVTIER_TEST_REDIS_SECRET"
+os.environ.setdefault(REDIS_SECRET_ENV, "the tests' shared secret, 32+ bytes")
+SIGNED = {"auth_key_env": REDIS_SECRET_ENV}
+
+
 # The disk tests test the disk path, not its admission: every block that host evicts goes down (the default,
 # `min_sightings: auto`, demotes first sightings only once blocks are seen coming back).
 DEMOTE_ALL = {"admission": {"min_sightings": 1}}

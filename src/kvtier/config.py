@@ -12,11 +12,10 @@ import hashlib
 import json
 import math
 import os
-import re
 import tempfile
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, get_args
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from pydantic import (
     AliasChoices,
@@ -109,7 +108,7 @@ class RedisTierConfig(_Strict):
     """
 
     type: Literal["redis"]
-    url: str
+    url: str = Field(repr=False)  # may hold a password: shown only through redact_url
     max_bytes: PositiveInt  # bound on all engines' values under key_prefix (headers included)
     key_prefix: str = Field("kvtier:", max_length=200)
     # Durations go to the socket layer and to Redis as ints: bounded, so that a huge one is refused here rather
@@ -128,12 +127,15 @@ class RedisTierConfig(_Strict):
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
     ssl_cert_reqs: Literal["required", "optional", "none"] = "required"
+    # Without auth_key_env, whoever can write to this Redis decides what every engine serves: a tier without a key
+    # is refused unless this says that only trusted clients can reach the server.
+    trusted_network: bool = False
 
     @field_validator("url")
     @classmethod
     def _redis_url(cls, url: str) -> str:
         parts = urlsplit(url)
-        if parts.scheme not in ("redis", "rediss", "unix"):
+        if parts.scheme not in ("redis", "rediss", "unix") or not url.startswith(f"{parts.scheme}://"):
             raise ValueError("must start with redis://, rediss:// (TLS) or unix://")
         if parts.scheme != "unix" and not parts.hostname:
             raise ValueError("names no host")
@@ -244,6 +246,12 @@ class KVTierConfig(_Strict):
         shared = [(t.url, t.key_prefix) for t in self.secondary_tiers if t.type == "redis"]
         if len(set(shared)) != len(shared):
             raise ValueError("two redis tiers share one url and key_prefix")
+        for i, tier in enumerate(self.secondary_tiers):
+            if tier.type == "redis" and self.auth_key_env is None and not tier.trusted_network:
+                raise ValueError(
+                    f"secondary_tiers[{i}].trusted_network: a redis tier without auth_key_env serves any block that "
+                    "whoever can write to that Redis puts there; set auth_key_env (blocks signed with a secret), or "
+                    '"trusted_network": true on the tier if only trusted clients can reach the server')
         unknown = [name for name in (self.guard.order or []) if name not in self.tier_names()] if self.guard else []
         if unknown:
             raise ValueError(f"guard.order names {unknown}, not tiers of this config: {self.tier_names()}")
@@ -260,11 +268,51 @@ class KVTierConfig(_Strict):
                 names.append(SHARED)
         return names
 
+    def redacted(self) -> dict[str, Any]:
+        """The config as JSON data with every redis url's credentials replaced (`redact_url`): what may be shown."""
+        data = self.model_dump(mode="json")
+        for tier in data["secondary_tiers"]:
+            if tier["type"] == "redis":
+                tier["url"] = redact_url(tier["url"])
+        return data
+
     @property
     def host_admission(self) -> AdmissionConfig:
         return AdmissionConfig(
             min_priority=self.secondary_offload_min_priority, min_sightings=self.admit_after_sightings
         )
+
+
+# Query parameters of a redis url (redis-py passes each to the connection) that never hold a secret; any other's
+# value (password=, or a name redis-py will learn later) is shown as ***.
+PLAIN_URL_PARAMS = frozenset({"db", "protocol", "socket_timeout", "socket_connect_timeout", "socket_keepalive",
+                              "retry_on_timeout", "max_connections", "health_check_interval", "ssl_cert_reqs",
+                              "ssl_check_hostname", "client_name", "timeout"})
+
+
+def redact_url(url: str) -> str:
+    """`url` as it may be shown (errors, logs, `kvtier config`, the engine's startup line). The userinfo runs to the
+    last '@' (a password may hold '/' or '@'): its password (all of it without a ':') is ***, and so is every query
+    value but PLAIN_URL_PARAMS' and any fragment. A url that does not read as scheme://..., or whose last '@' may
+    sit in its query, shows no more than its scheme."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not scheme.isalnum():
+        scheme = url.partition(":")[0] if ":" in url else ""
+        return f"{scheme}:***" if scheme.isalnum() else "***"
+    userinfo, at, rest = rest.rpartition("@")
+    if at:
+        if any(c in userinfo for c in "?#"):
+            return f"{scheme}://***"
+        user, colon, _ = userinfo.partition(":")
+        userinfo = f"{user}:***@" if colon and "/" not in user else "***@"
+    try:
+        parts = urlsplit(f"{scheme}://{rest}")
+    except ValueError:
+        return f"{scheme}://{userinfo}***"
+    query = "&".join(item if unquote(item.partition("=")[0]) in PLAIN_URL_PARAMS else f"{item.partition('=')[0]}=***"
+                     for item in parts.query.split("&") if item)
+    return (f"{scheme}://{userinfo}{parts.netloc}{parts.path}" + (f"?{query}" if query else "")
+            + ("#***" if parts.fragment else ""))
 
 
 def finite_float(text: str) -> float:
@@ -354,7 +402,7 @@ def _problems(exc: ValidationError) -> list[str]:
             msg = f"unknown tier type {err.get('input', {}).get('type')!r}; known types: fs, redis"
         got = err.get("input")
         if isinstance(got, str) and field.endswith(".url"):
-            got = re.sub(r"//.*@", "//***@", got)  # never echo credentials (up to the last @)
+            got = redact_url(got)  # never echo credentials
         shown = "" if isinstance(got, (dict, list)) or err["type"] == "missing" else f" (got {got!r})"
         problems.append(f"{field}: {msg}{shown}")
     return problems
