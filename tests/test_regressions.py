@@ -29,6 +29,8 @@ from kvtier.stores.disk import DiskStore
 from kvtier.stores.redis import RedisStore
 from tests.conftest import DEMOTE_ALL, SIGNED
 from tests.connector_harness import STEP, loading_all
+from tests.connector_harness import Engine as HarnessEngine
+from tests.connector_harness import Request as HarnessRequest
 
 SHAPE, DT, P = (4, 1024), torch.uint8, 4096  # one block: 4 KiB of uint8
 
@@ -507,3 +509,55 @@ def test_the_vllm_stats_path_carries_the_shared_tiers_bytes_and_its_lowered_boun
         assert gauges((3 * value, 5 * value)) == (3 * value, 5 * value)
     finally:
         engine.close()
+
+
+class UpdatedInPlace(HarnessEngine):
+    """An engine whose weights are updated in place once `updated` is set: it computes other KV for the same
+    tokens (the namespace, taken at startup, stays the same)."""
+
+    updated = False
+
+    def compute(self, request: HarnessRequest, invalid: set[int]) -> None:
+        super().compute(request, invalid)
+        if self.updated:
+            for i, block in enumerate(request.blocks):
+                if i >= request.promised // 16 or block in invalid:
+                    for kv in self.kv:
+                        kv[block] ^= 0x55
+
+
+def admitted(engine: HarnessEngine, request: HarnessRequest) -> HarnessRequest:
+    """Asked until the shared tier answered the lookup, as vLLM asks again each step."""
+    for _ in range(500):
+        if engine.admit(request):
+            return request
+        engine.step()
+        time.sleep(0.005)
+    raise AssertionError(f"{request.request_id} was never admitted")
+
+
+def test_engines_sharing_redis_that_each_reset_once_never_share_a_generation(redis_server):
+    """r_generation_shared.py: reset_cache appended a per-engine counter to every key, so engine B, after a reset of
+    its own, hit the blocks engine A wrote after its weight update and reset: KV of other weights, served as exact."""
+    config = parse_config({"cpu_bytes_to_use": 64 * P, "block_size": 16, "engine_block_size": 16, **SIGNED,
+                           "secondary_tiers": [{"type": "redis", "url": redis_server.url, "max_bytes": 1 << 26}]})
+    prompt = [bytes([7, i]) * 16 for i in range(4)]
+    a = UpdatedInPlace(config)
+    b = HarnessEngine(config)  # another replica of the same checkpoint, weights not updated
+    try:
+        a.run(admitted(a, HarnessRequest("a1", prompt)))
+        a.drain()
+        a.updated = True  # a weight update in place, then vLLM's reset_prefix_cache(reset_connector=True)
+        a.scheduler.reset_cache()
+        a.run(admitted(a, HarnessRequest("a2", prompt)))
+        a.drain()
+        values = [k for k in redis_server.client().scan_iter(b"kvtier:*") if b"!" not in k]
+        assert len(values) == 8, "Redis holds the prompt's blocks of both weights"
+        b.scheduler.reset_cache()  # B resets once too, for a reason of its own
+        request = admitted(b, HarnessRequest("b1", prompt))
+        assert request.promised == 0, "B was promised blocks that A computed with other weights"
+        b.run(request)
+        assert b.wrong == 0
+    finally:
+        a.close()
+        b.close()
