@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvtier.config import parse_config
+from kvtier.digests import CACHE_ENV
 from kvtier.traces.locate import ENV
 
 SHAPE = (2, 2, 4, 16, 64)  # layers, K/V, heads, tokens, head dim: 16 KiB in bf16, 32 KiB in fp32
@@ -144,6 +145,7 @@ def contained_temp_files(tmp_path_factory) -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
     folder = str(tmp_path_factory.mktemp("temp"))
     os.environ["TMPDIR"] = tempfile.tempdir = folder  # vLLM's sockets go to the temp folder unless told otherwise
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("kvtier-cache"))  # weight files' digests: not the user's
 
 
 @pytest.fixture(scope="session")
