@@ -195,6 +195,9 @@ def test_a_second_engine_gets_the_first_engines_prefix_from_redis(engines, tiny_
     assert out[0]["tokens"] == engine_only[-1]["tokens"] and max_diff(out[0], engine_only[-1]) == 0.0
     assert prometheus['kvtier_lookup_tokens_total{source="redis"}'] == 1920
     assert prometheus['kvtier_moves_total{dst="caller",src="redis"}'] == 15  # straight into the engine's blocks
+    assert prometheus['kvtier_shared_tier_authenticated{tier="redis"}'] == 0  # trusted_network, and /metrics says so
+    assert prometheus['kvtier_tier_capacity_bytes{tier="redis"}'] == 1 << 30  # Redis' bound reaches vLLM's /metrics
+    assert prometheus['kvtier_tier_used_bytes{tier="redis"}'] > 0
 
 
 def test_redis_killed_and_restarted_mid_workload(engines, tiny_model, engine_only, redis_server):
