@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvtier.config import parse_config
+from kvtier.digests import CACHE_ENV
 from kvtier.traces.locate import ENV
 
 SHAPE = (2, 2, 4, 16, 64)  # layers, K/V, heads, tokens, head dim: 16 KiB in bf16, 32 KiB in fp32
@@ -47,6 +48,13 @@ def missing(part: str) -> None:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(part)
     pytest.skip(part)
+
+
+# A redis tier needs auth_key_env or "trusted_network": true. Tests sign their blocks with this secret (an engine
+# of another test's deployment, or a test's stand-in for another engine of the same one, passes its key too).
+REDIS_SECRET_ENV = "KVTIER_TEST_REDIS_SECRET"
+os.environ.setdefault(REDIS_SECRET_ENV, "the tests' shared secret, 32+ bytes")
+SIGNED = {"auth_key_env": REDIS_SECRET_ENV}
 
 
 # The disk tests test the disk path, not its admission: every block that host evicts goes down (the default,
@@ -137,6 +145,7 @@ def contained_temp_files(tmp_path_factory) -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
     folder = str(tmp_path_factory.mktemp("temp"))
     os.environ["TMPDIR"] = tempfile.tempdir = folder  # vLLM's sockets go to the temp folder unless told otherwise
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("kvtier-cache"))  # weight files' digests: not the user's
 
 
 @pytest.fixture(scope="session")

@@ -47,3 +47,16 @@ def test_the_simulator_table_shows_every_replay_target_and_its_verdict():
     for policy, verdict in (("lru", "ok"), ("arc", "MISSED"), ("s3fifo", "ok")):
         name = f"replay_{policy}_accesses_per_s"
         assert f"≥ {TARGETS[name] / 1e6:.2f} M/s" in rows[name] and rows[name].rstrip(" │").endswith(verdict)
+
+
+def test_the_weights_bench_measures_each_start_and_leaves_nothing(tmp_path):
+    """`python -m kvtier.bench.weights`, small: every figure there, a restart reads no byte, the file is gone."""
+    from kvtier.bench.weights import run
+
+    result = run(gib=1 / 16, root=tmp_path, threads=(1, 2), reps=1)
+    assert set(result["cold"]) == {"raw_read", "threads_1", "threads_2"}
+    assert set(result["page_cache"]) == {"threads_1", "threads_2"}
+    assert all(f["gbps"] > 0 for phase in ("cold", "page_cache") for f in result[phase].values())
+    assert result["cached_start"]["first_start_bytes_read"] == result["bytes"] == 64 << 20
+    assert result["cached_start"]["bytes_read"] == 0
+    assert not list(tmp_path.iterdir())

@@ -24,7 +24,7 @@ from kvtier.sim.instant_mover import complete_instantly
 from kvtier.stores import blockformat
 from kvtier.stores.base import TierKind
 from kvtier.stores.breaker import BreakerState
-from tests.conftest import SHAPE, random_blocks, same_bytes
+from tests.conftest import SHAPE, SIGNED, random_blocks, same_bytes
 from tests.redis_server import stored_bytes
 from tests.test_directory import BLOCK, ROLLS, DirectoryMachine, Load, chain, tier_specs
 from tests.test_redis import check_invariants
@@ -42,7 +42,7 @@ def config(url: str, host_blocks: int = 32, redis_blocks: int = 64, tenant_salt:
     tier = {"type": "redis", "url": url, "max_bytes": redis_blocks * VALUE, "socket_timeout_s": 0.3,
             "connect_timeout_s": 0.3, "breaker_failures": 2, "breaker_cooldown_s": 0.2, **redis_extra}
     return parse_config({"cpu_bytes_to_use": host_blocks * PAYLOAD, "block_size": 16, "tenant_salt": tenant_salt,
-                         "secondary_tiers": [tier]})
+                         **SIGNED, "secondary_tiers": [tier]})
 
 
 def engines(url: str, n: int = 2, **kw) -> list[TieredCache]:

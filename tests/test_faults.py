@@ -26,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
-from tests.conftest import DEMOTE_ALL, missing
+from tests.conftest import DEMOTE_ALL, SIGNED, missing
 from tests.connector_harness import Engine, P, Request
 from tests.connector_harness import content as engine_content
 
@@ -216,8 +216,9 @@ def test_a_disk_hit_needs_no_host_slot_and_is_promoted_by_its_store(tmp_path):
 
 def shared_engine(redis_server) -> Engine:
     """A 2-slot host and a Redis tier."""
-    config = parse_config({"cpu_bytes_to_use": 2 * P, "block_size": 16, "engine_block_size": 16, "secondary_tiers": [
-        {"type": "redis", "url": redis_server.url, "max_bytes": 64 * (P + 600)}]})
+    config = parse_config({"cpu_bytes_to_use": 2 * P, "block_size": 16, "engine_block_size": 16, **SIGNED,
+                           "secondary_tiers": [{"type": "redis", "url": redis_server.url,
+                                                "max_bytes": 64 * (P + 600)}]})
     return Engine(config)
 
 
@@ -225,7 +226,8 @@ def stored_by_another_engine(redis_server, engine: Engine, request: Request) -> 
     """The request's first block, as another engine of the same model writes it to Redis."""
     from kvtier.stores.redis import RedisStore
 
-    other = RedisStore(redis_server.url, engine.scheduler.geo.namespace(0), P, 64 * (P + 600))
+    other = RedisStore(redis_server.url, engine.scheduler.geo.namespace(0), P, 64 * (P + 600),
+                       auth_key=engine.scheduler.config.auth_key())
     other.put_many([(engine.scheduler._keys(request)[0], None, engine_content(request.block_hashes[0], 0))])
     other.close()
 

@@ -54,7 +54,7 @@ def test_metadata_plane_imports_neither_torch_nor_vllm():
 
     code = ("import sys; import kvtier.directory, kvtier.policies, kvtier.sim.instant_mover, kvtier.sizing, "
             "kvtier.config, kvtier.keys, kvtier.layout, kvtier.admission, kvtier.traces.workloads, kvtier.guard, "
-            "kvtier.decide, kvtier.control, kvtier.sim.simulate; "
+            "kvtier.decide, kvtier.control, kvtier.sim.simulate, kvtier.weights, kvtier.digests; "
             "print('torch' in sys.modules, 'vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

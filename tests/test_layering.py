@@ -17,8 +17,8 @@ SRC = Path(kvtier.__file__).parent
 ROWS = [
     {"__init__", "layout", "metrics", "report", "timing"},
     {"stores"},
-    {"directory", "sizing", "config", "policies", "admission", "keys", "weights", "guard", "decide", "control",
-     "traces", "analyze", "sim", "plan"},
+    {"directory", "sizing", "config", "policies", "admission", "keys", "weights", "digests", "guard", "decide",
+     "control", "traces", "analyze", "sim", "plan"},
     {"mover"},
     {"wiring"},
     {"cache"},

@@ -219,6 +219,17 @@ def test_bad_input_exits_2_naming_the_value(options, names, capsys):
     assert names in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("option", ["--gpu-gib", "--host-gib", "--disk-gib", "--cpu-offload-gib", "--kv-cache-gib"])
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_a_size_that_is_not_finite_exits_2_naming_the_flag(option, value, capsys):
+    """argparse's float took 'inf' and 'nan': the plan then died with an OverflowError and exit code 1
+    (r_plan_inputs.sh)."""
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", f"{option}={value}"])
+    assert exited.value.code == 2
+    assert f"argument {option}: must be a finite number, got '{value}'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("content", "names"), [
     ("{not json", "not valid JSON"),
     (json.dumps({"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100}), "'num_attention_heads'"),

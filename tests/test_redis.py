@@ -381,7 +381,7 @@ def test_breaker_states():
 
 def test_redis_tier_config(redis_server):
     tier = {"type": "redis", "url": redis_server.url, "max_bytes": 1 << 20, "key_prefix": "kvt:",
-            "breaker_failures": 5, "oom_cap_s": 30}
+            "breaker_failures": 5, "oom_cap_s": 30, "trusted_network": True}  # a throwaway server on 127.0.0.1
     config = parse_config({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [tier]})
     store = redis_store(config.secondary_tiers[0], NS, PAYLOAD)
     assert store.breaker.failure_threshold == 5 and store._oom_cap_ms == b"30000"

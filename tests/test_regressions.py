@@ -18,15 +18,19 @@ from kvtier.config import ConfigError, parse_config
 from kvtier.directory import CopyState, Directory, Op, Status, TierSpec
 from kvtier.integrations.vllm.messages import KVTierWorkerMetadata
 from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.scheduler_stats import SHARED_USAGE_S
 from kvtier.integrations.vllm.setup import Geometry
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.keys import chain_keys
 from kvtier.sim.instant_mover import complete_instantly
+from kvtier.stores import blockformat
 from kvtier.stores.base import TierKind
 from kvtier.stores.disk import DiskStore
 from kvtier.stores.redis import RedisStore
-from tests.conftest import DEMOTE_ALL
+from tests.conftest import DEMOTE_ALL, SIGNED
 from tests.connector_harness import STEP, loading_all
+from tests.connector_harness import Engine as HarnessEngine
+from tests.connector_harness import Request as HarnessRequest
 
 SHAPE, DT, P = (4, 1024), torch.uint8, 4096  # one block: 4 KiB of uint8
 
@@ -176,7 +180,7 @@ def test_a_failed_demotion_never_sends_other_bytes_through_to_the_shared_tier(tm
         tiers = [{"type": "fs", **DEMOTE_ALL,
                   "root_dir": str(tmp_path / "kv"), "max_bytes": 8 * (P + 4096)}] if disk else []
         tiers.append({"type": "redis", "url": redis_server.url, "max_bytes": 64 * (P + 600)})
-        return parse_config({"cpu_bytes_to_use": host_blocks * P, "block_size": 16, "secondary_tiers": tiers})
+        return parse_config({"cpu_bytes_to_use": host_blocks * P, "block_size": 16, **SIGNED, "secondary_tiers": tiers})
 
     with (TieredCache(config(True, 1), SHAPE, DT, model="test") as a,
           TieredCache(config(False, 4), SHAPE, DT, model="test") as b):
@@ -355,12 +359,12 @@ def test_an_asynchronous_load_never_runs_on_the_engine_thread(tmp_path):
 def scheduler_with_a_seeded_redis(redis_server, n: int) -> tuple[SchedulerSide, list[bytes], list[bytes]]:
     """A scheduler half with a Redis tier that already holds one chain of `n` blocks (another engine's)."""
     geo = geometry()
-    config = parse_config({"cpu_bytes_to_use": 16 * P, "block_size": 16, "engine_block_size": 16,
+    config = parse_config({"cpu_bytes_to_use": 16 * P, "block_size": 16, "engine_block_size": 16, **SIGNED,
                            "secondary_tiers": [{"type": "redis", "url": redis_server.url,
                                                 "max_bytes": 64 * (P + 600)}]})
     hashes = [bytes([i]) * 32 for i in range(1, n + 1)]
     keys = [h + b"\x00\x00" for h in hashes]
-    other = RedisStore(redis_server.url, geo.namespace(0), P, 64 * (P + 600))
+    other = RedisStore(redis_server.url, geo.namespace(0), P, 64 * (P + 600), auth_key=config.auth_key())
     other.put_many([(k, keys[i - 1] if i else None, torch.zeros(P, dtype=torch.uint8)) for i, k in enumerate(keys)])
     other.close()
     return SchedulerSide(loading_all(config), geo), hashes, keys
@@ -473,3 +477,87 @@ def test_a_cache_with_a_persistent_tier_must_name_its_model(tmp_path):
         assert b.lookup([b"k"]) == 0
     with TieredCache(config, SHAPE, DT, model="weights A") as a:
         assert a.lookup([b"k"]) == 1
+
+
+def test_the_vllm_stats_path_carries_the_shared_tiers_bytes_and_its_lowered_bound(redis_server):
+    """Found by reading (r_metrics_redis_vllm.py): in vLLM, kvtier_tier_used_bytes and kvtier_tier_capacity_bytes had
+    no redis series, so the bound a Redis refusing puts for memory set (its oom cap) was invisible in /metrics."""
+    config = parse_config({"cpu_bytes_to_use": 8 * P, "block_size": 16, "engine_block_size": 16, **SIGNED,
+                           "secondary_tiers": [{"type": "redis", "url": redis_server.url,
+                                                "max_bytes": 64 * (P + 600)}]})
+    engine = Engine(config)
+
+    def gauges(expected: tuple[int, int]) -> tuple[int | None, int | None]:
+        """The stats path reads Redis on a thread of its own, at most once per SHARED_USAGE_S: the steps of a few
+        such periods, until the reading that follows the change (or what the last one said)."""
+        for _ in range(10):
+            g = engine.scheduler.stats_payload()["gauges"]
+            now = (g["tier_used_bytes"].get("redis"), g["tier_capacity_bytes"].get("redis"))
+            if now == expected:
+                break
+            time.sleep(SHARED_USAGE_S / 2)
+        return now
+
+    value = P + blockformat.HEADER_NBYTES
+    try:
+        assert gauges((0, 64 * (P + 600))) == (0, 64 * (P + 600))
+        engine.scheduler.request_finished(request("r", [bytes([i]) * 32 for i in range(1, 4)], computed=48), [0, 1, 2])
+        engine.drain()
+        assert int(redis_server.client().get(b"kvtier:!used")) == 3 * value
+        assert gauges((3 * value, 64 * (P + 600))) == (3 * value, 64 * (P + 600))
+        redis_server.client().set(b"kvtier:!cap", 5 * value, px=60_000)  # what a put refused for memory leaves
+        assert gauges((3 * value, 5 * value)) == (3 * value, 5 * value)
+    finally:
+        engine.close()
+
+
+class UpdatedInPlace(HarnessEngine):
+    """An engine whose weights are updated in place once `updated` is set: it computes other KV for the same
+    tokens (the namespace, taken at startup, stays the same)."""
+
+    updated = False
+
+    def compute(self, request: HarnessRequest, invalid: set[int]) -> None:
+        super().compute(request, invalid)
+        if self.updated:
+            for i, block in enumerate(request.blocks):
+                if i >= request.promised // 16 or block in invalid:
+                    for kv in self.kv:
+                        kv[block] ^= 0x55
+
+
+def admitted(engine: HarnessEngine, request: HarnessRequest) -> HarnessRequest:
+    """Asked until the shared tier answered the lookup, as vLLM asks again each step."""
+    for _ in range(500):
+        if engine.admit(request):
+            return request
+        engine.step()
+        time.sleep(0.005)
+    raise AssertionError(f"{request.request_id} was never admitted")
+
+
+def test_engines_sharing_redis_that_each_reset_once_never_share_a_generation(redis_server):
+    """r_generation_shared.py: reset_cache appended a per-engine counter to every key, so engine B, after a reset of
+    its own, hit the blocks engine A wrote after its weight update and reset: KV of other weights, served as exact."""
+    config = parse_config({"cpu_bytes_to_use": 64 * P, "block_size": 16, "engine_block_size": 16, **SIGNED,
+                           "secondary_tiers": [{"type": "redis", "url": redis_server.url, "max_bytes": 1 << 26}]})
+    prompt = [bytes([7, i]) * 16 for i in range(4)]
+    a = UpdatedInPlace(config)
+    b = HarnessEngine(config)  # another replica of the same checkpoint, weights not updated
+    try:
+        a.run(admitted(a, HarnessRequest("a1", prompt)))
+        a.drain()
+        a.updated = True  # a weight update in place, then vLLM's reset_prefix_cache(reset_connector=True)
+        a.scheduler.reset_cache()
+        a.run(admitted(a, HarnessRequest("a2", prompt)))
+        a.drain()
+        values = [k for k in redis_server.client().scan_iter(b"kvtier:*") if b"!" not in k]
+        assert len(values) == 8, "Redis holds the prompt's blocks of both weights"
+        b.scheduler.reset_cache()  # B resets once too, for a reason of its own
+        request = admitted(b, HarnessRequest("b1", prompt))
+        assert request.promised == 0, "B was promised blocks that A computed with other weights"
+        b.run(request)
+        assert b.wrong == 0
+    finally:
+        a.close()
+        b.close()

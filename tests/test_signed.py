@@ -8,6 +8,7 @@ own blocks exactly. A directory of the tier that someone else could write is ref
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -19,6 +20,7 @@ from kvtier.stores.disk import DiskStore
 from kvtier.stores.files import UnsafeDirectory
 from kvtier.stores.redis import RedisStore
 from tests.conftest import missing
+from tests.connector_harness import Engine
 
 SHAPE, DT, P = (4, 1024), torch.uint8, 4096
 SECRET = "a secret of more than sixteen bytes"
@@ -102,3 +104,31 @@ def test_a_tier_directory_others_could_write_is_refused(tmp_path, mode, owner):
         os.chown(namespace, owner, owner)
     with pytest.raises(UnsafeDirectory, match=str(namespace)):
         TieredCache(config, SHAPE, DT, model="m")
+
+
+def test_a_trusted_network_is_said_at_startup_and_in_metrics(redis_server, secret, caplog):
+    """A redis tier without a key served planted blocks and nothing said so (r_redis_plant.py). Now the config
+    must say trusted_network, and then the startup lines and `kvtier_shared_tier_authenticated` say it too."""
+    def config(top: dict, tier: dict):
+        return parse_config({"cpu_bytes_to_use": 2 * P, "block_size": 16, "engine_block_size": 16, **top,
+                             "secondary_tiers": [{"type": "redis", "url": redis_server.url,
+                                                  "max_bytes": 32 * (P + 1024), **tier}]})
+
+    trusted, signed = config({}, {"trusted_network": True}), config({"auth_key_env": secret}, {})
+    caplog.set_level(logging.INFO, logger="kvtier")
+    with TieredCache(trusted, SHAPE, DT, model="m") as cache:
+        assert b'kvtier_shared_tier_authenticated{tier="redis"} 0.0' in cache.metrics.exposition()
+    assert any("trusted_network" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    caplog.clear()
+    with TieredCache(signed, SHAPE, DT, model="m") as cache:
+        assert b'kvtier_shared_tier_authenticated{tier="redis"} 1.0' in cache.metrics.exposition()
+    assert not any("trusted_network" in r.getMessage() for r in caplog.records)
+    for cfg, authenticated, said in ((trusted, 0, "trusted_network: blocks unsigned"), (signed, 1, "blocks signed")):
+        caplog.clear()
+        engine = Engine(cfg)  # the vLLM connector's two halves
+        try:
+            assert engine.scheduler.stats_payload()["gauges"]["shared_tier_authenticated"] == {"redis": authenticated}
+            startup = next(r.getMessage() for r in caplog.records if "namespace" in r.getMessage())
+            assert said in startup and f"{redis_server.url} kvtier:" in startup
+        finally:
+            engine.close()

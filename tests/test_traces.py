@@ -194,6 +194,9 @@ MALFORMED = [
     ("k.jsonl", GOOD_KVTIER, '{"timestamp": 1, "keys": ["0a"], "block_tokens": 0}', "block_tokens"),
     ("k.jsonl", GOOD_KVTIER, '{"timestamp": 1, "keys": ["0a", "zz"], "block_tokens": 4}', "keys"),
     ("k.jsonl", GOOD_KVTIER, '{"timestamp": 1, "keys": ["-1"], "block_tokens": 4}', "keys"),
+    ("k.jsonl", GOOD_KVTIER, '{"timestamp": 1, "keys": ["0a", "abc"], "block_tokens": 4}', "keys"),  # odd length
+    ("k.jsonl", GOOD_KVTIER, '{"timestamp": 1, "keys": ["0x0a"], "block_tokens": 4}', "keys"),
+    ("k.jsonl", GOOD_KVTIER, '{"timestamp": 1, "keys": ["f_f"], "block_tokens": 4}', "keys"),
     ("k.jsonl", GOOD_KVTIER, '{"timestamp": 1, "keys": [], "block_tokens": 4}', "keys"),
     ("k.jsonl", GOOD_KVTIER, '{"timestamp": 1, "tokens": [1], "keys": ["0a"], "block_tokens": 4}', "keys"),
     ("k.jsonl", GOOD_KVTIER, '{"timestamp": 1, "tokens": [1, -2]}', "tokens"),
@@ -225,6 +228,19 @@ def test_a_malformed_line_names_file_line_and_field(tmp_path, name: str, good: s
     error = caught.value
     assert (error.line, error.field) == (bad_line, field)
     assert str(error).startswith(f"{path}:{bad_line}: field '{field}': ")
+
+
+def test_a_kvtier_trace_out_of_arrival_order_is_refused_at_the_first_late_line(tmp_path) -> None:
+    """Found by reading: a kvtier JSONL trace with timestamps out of order was accepted, and replayed in file order.
+    Equal timestamps are in order."""
+    path = tmp_path / "k.jsonl"
+    path.write_text("".join(f'{{"timestamp": {t}, "tokens": [1, 2, 3]}}\n' for t in (0, 2, 2, 1.5, 3)))
+    requests = read_trace(path)
+    assert [next(requests).timestamp for _ in range(3)] == [0, 2, 2]
+    with pytest.raises(TraceError) as caught:
+        next(requests)
+    assert (caught.value.line, caught.value.field) == (4, "timestamp")
+    assert "1.5 is earlier than line 3's 2" in str(caught.value)
 
 
 def test_a_csv_without_a_needed_column_names_it_on_line_1(tmp_path) -> None:

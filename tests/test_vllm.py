@@ -181,7 +181,9 @@ def test_full_store_queue_drops_stores_counts_them_and_requests_complete(engines
 
 
 def redis_tier(server, **extra) -> dict:
-    return {"type": "redis", "url": server.url, "max_bytes": 1 << 30, **extra}
+    """A throwaway redis-server on loopback, trusted (unsigned blocks): the engine tests test the tier's path, and the
+    signed path is test_signed's and test_cache_redis'."""
+    return {"type": "redis", "url": server.url, "max_bytes": 1 << 30, "trusted_network": True, **extra}
 
 
 def test_a_second_engine_gets_the_first_engines_prefix_from_redis(engines, tiny_model, engine_only, redis_server):
@@ -193,6 +195,9 @@ def test_a_second_engine_gets_the_first_engines_prefix_from_redis(engines, tiny_
     assert out[0]["tokens"] == engine_only[-1]["tokens"] and max_diff(out[0], engine_only[-1]) == 0.0
     assert prometheus['kvtier_lookup_tokens_total{source="redis"}'] == 1920
     assert prometheus['kvtier_moves_total{dst="caller",src="redis"}'] == 15  # straight into the engine's blocks
+    assert prometheus['kvtier_shared_tier_authenticated{tier="redis"}'] == 0  # trusted_network, and /metrics says so
+    assert prometheus['kvtier_tier_capacity_bytes{tier="redis"}'] == 1 << 30  # Redis' bound reaches vLLM's /metrics
+    assert prometheus['kvtier_tier_used_bytes{tier="redis"}'] > 0
 
 
 def test_redis_killed_and_restarted_mid_workload(engines, tiny_model, engine_only, redis_server):

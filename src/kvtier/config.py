@@ -7,14 +7,15 @@ A user of vLLM's native offloading switches by changing the connector name: `cpu
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import math
 import os
-import re
 import tempfile
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, get_args
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from pydantic import (
     AliasChoices,
@@ -36,6 +37,8 @@ assert set(get_args(PolicyName)) == set(POLICIES), "a policy registered in kvtie
 Priority = Annotated[int, Field(ge=0, le=100)]
 HOST = "host"  # the first tier's name
 SHARED = "redis"  # the shared tier's name
+MAX_TIMEOUT_S = 3600.0  # a socket timeout or a breaker's cooldown
+MAX_CAP_S = 7 * 86400.0  # how long Redis keeps a lowered bound (an expiry in ms)
 
 
 class ConfigError(ValueError):
@@ -43,7 +46,10 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+    """Unknown keys are errors, and so are JSON's Infinity and NaN (Python's json reads them): a timeout or a rate
+    that is not a finite number passes every bound check, then fails every call that uses it."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True, allow_inf_nan=False)
 
 
 _M = TypeVar("_M", bound=_Strict)
@@ -102,15 +108,17 @@ class RedisTierConfig(_Strict):
     """
 
     type: Literal["redis"]
-    url: str
+    url: str = Field(repr=False)  # may hold a password: shown only through redact_url
     max_bytes: PositiveInt  # bound on all engines' values under key_prefix (headers included)
     key_prefix: str = Field("kvtier:", max_length=200)
-    socket_timeout_s: PositiveFloat = 1.0  # one send or receive; a slower server counts as a failure
-    connect_timeout_s: PositiveFloat = 0.5
+    # Durations go to the socket layer and to Redis as ints: bounded, so that a huge one is refused here rather
+    # than overflowing in every call.
+    socket_timeout_s: float = Field(1.0, gt=0, le=MAX_TIMEOUT_S)  # one send or receive; slower is a failure
+    connect_timeout_s: float = Field(0.5, gt=0, le=MAX_TIMEOUT_S)
     pool_size: PositiveInt = 16  # connections per worker; mover threads beyond it wait for one
     breaker_failures: PositiveInt = 3  # consecutive failures that open the circuit breaker
-    breaker_cooldown_s: PositiveFloat = 2.0  # open this long, then one probe call
-    oom_cap_s: PositiveFloat = 600.0  # how long a bound that a Redis refusing a put for memory set holds
+    breaker_cooldown_s: float = Field(2.0, gt=0, le=MAX_TIMEOUT_S)  # open this long, then one probe call
+    oom_cap_s: float = Field(600.0, gt=0, le=MAX_CAP_S)  # how long a bound set by a put Redis refused for memory holds
     n_read_threads: PositiveInt = 8
     n_write_threads: PositiveInt = 4
     write_policy: Literal["write_back", "write_through"] = "write_back"
@@ -119,12 +127,15 @@ class RedisTierConfig(_Strict):
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
     ssl_cert_reqs: Literal["required", "optional", "none"] = "required"
+    # Without auth_key_env, whoever can write to this Redis decides what every engine serves: a tier without a key
+    # is refused unless this says that only trusted clients can reach the server.
+    trusted_network: bool = False
 
     @field_validator("url")
     @classmethod
     def _redis_url(cls, url: str) -> str:
         parts = urlsplit(url)
-        if parts.scheme not in ("redis", "rediss", "unix"):
+        if parts.scheme not in ("redis", "rediss", "unix") or not url.startswith(f"{parts.scheme}://"):
             raise ValueError("must start with redis://, rediss:// (TLS) or unix://")
         if parts.scheme != "unix" and not parts.hostname:
             raise ValueError("names no host")
@@ -235,6 +246,12 @@ class KVTierConfig(_Strict):
         shared = [(t.url, t.key_prefix) for t in self.secondary_tiers if t.type == "redis"]
         if len(set(shared)) != len(shared):
             raise ValueError("two redis tiers share one url and key_prefix")
+        for i, tier in enumerate(self.secondary_tiers):
+            if tier.type == "redis" and self.auth_key_env is None and not tier.trusted_network:
+                raise ValueError(
+                    f"secondary_tiers[{i}].trusted_network: a redis tier without auth_key_env serves any block that "
+                    "whoever can write to that Redis puts there; set auth_key_env (blocks signed with a secret), or "
+                    '"trusted_network": true on the tier if only trusted clients can reach the server')
         unknown = [name for name in (self.guard.order or []) if name not in self.tier_names()] if self.guard else []
         if unknown:
             raise ValueError(f"guard.order names {unknown}, not tiers of this config: {self.tier_names()}")
@@ -251,11 +268,62 @@ class KVTierConfig(_Strict):
                 names.append(SHARED)
         return names
 
+    def redacted(self) -> dict[str, Any]:
+        """The config as JSON data with every redis url's credentials replaced (`redact_url`): what may be shown."""
+        data = self.model_dump(mode="json")
+        for tier in data["secondary_tiers"]:
+            if tier["type"] == "redis":
+                tier["url"] = redact_url(tier["url"])
+        return data
+
     @property
     def host_admission(self) -> AdmissionConfig:
         return AdmissionConfig(
             min_priority=self.secondary_offload_min_priority, min_sightings=self.admit_after_sightings
         )
+
+
+# Query parameters of a redis url (redis-py passes each to the connection) that never hold a secret; any other's
+# value (password=, or a name redis-py will learn later) is shown as ***.
+PLAIN_URL_PARAMS = frozenset({"db", "protocol", "socket_timeout", "socket_connect_timeout", "socket_keepalive",
+                              "retry_on_timeout", "max_connections", "health_check_interval", "ssl_cert_reqs",
+                              "ssl_check_hostname", "client_name", "timeout"})
+
+
+def redact_url(url: str) -> str:
+    """`url` as it may be shown (errors, logs, `kvtier config`, the engine's startup line). The userinfo runs to the
+    last '@' (a password may hold '/' or '@'): its password (all of it without a ':') is ***, and so is every query
+    value but PLAIN_URL_PARAMS' and any fragment. A url that does not read as scheme://..., or whose last '@' may
+    sit in its query, shows no more than its scheme."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not scheme.isalnum():
+        scheme = url.partition(":")[0] if ":" in url else ""
+        return f"{scheme}:***" if scheme.isalnum() else "***"
+    userinfo, at, rest = rest.rpartition("@")
+    if at:
+        if any(c in userinfo for c in "?#"):
+            return f"{scheme}://***"
+        user, colon, _ = userinfo.partition(":")
+        userinfo = f"{user}:***@" if colon and "/" not in user else "***@"
+    try:
+        parts = urlsplit(f"{scheme}://{rest}")
+    except ValueError:
+        return f"{scheme}://{userinfo}***"
+    query = "&".join(item if unquote(item.partition("=")[0]) in PLAIN_URL_PARAMS else f"{item.partition('=')[0]}=***"
+                     for item in parts.query.split("&") if item)
+    return (f"{scheme}://{userinfo}{parts.netloc}{parts.path}" + (f"?{query}" if query else "")
+            + ("#***" if parts.fragment else ""))
+
+
+def finite_float(text: str) -> float:
+    """argparse's type for every float flag: `float()` reads 'inf' and 'nan', which then pass every bound check."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
@@ -334,7 +402,7 @@ def _problems(exc: ValidationError) -> list[str]:
             msg = f"unknown tier type {err.get('input', {}).get('type')!r}; known types: fs, redis"
         got = err.get("input")
         if isinstance(got, str) and field.endswith(".url"):
-            got = re.sub(r"//.*@", "//***@", got)  # never echo credentials (up to the last @)
+            got = redact_url(got)  # never echo credentials
         shown = "" if isinstance(got, (dict, list)) or err["type"] == "missing" else f" (got {got!r})"
         problems.append(f"{field}: {msg}{shown}")
     return problems

@@ -61,6 +61,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "could not take (a transfer of this engine's own was on the block): vLLM recomputes them", ("tier",)),
     Family("load_decisions", "counter", "Requests whose blocks found were all loaded, partly, or recomputed, by "
            "their slowest tier", ("tier", "decision")),
+    Family("shared_tier_authenticated", "gauge", "1 when a shared tier serves only blocks signed with the secret of "
+           "auth_key_env, 0 when its config trusts the network (trusted_network): whoever can write to it then "
+           "decides what is served", ("tier",)),
     Family("redis_breaker_state", "gauge", "Circuit breaker of a shared tier: 0 closed, 1 half-open, 2 open", (),
            per_client=True),
     Family("redis_breaker_opens", "counter", "Times a shared tier's circuit breaker opened", (), per_client=True),
@@ -78,6 +81,9 @@ class MeteredStore(Protocol):
     def used_bytes(self) -> int | None: ...
 
     def capacity_bytes(self) -> int: ...
+
+    @property
+    def authenticated(self) -> bool: ...
 
 
 @dataclass
@@ -212,7 +218,8 @@ class Metrics:
             snap["shared"][name] = stats
             snap.setdefault("tiers", {})[name] = {"used_bytes": store.used_bytes(),
                                                   "capacity_bytes": store.capacity_bytes(),
-                                                  "enabled": self.tier_enabled(name)}
+                                                  "enabled": self.tier_enabled(name),
+                                                  "authenticated": store.authenticated}
             if stats.get("evictions") and "evictions" in snap:  # what this engine's puts evicted
                 snap["evictions"][f"{name}/capacity"] = stats["evictions"]
 
@@ -269,6 +276,8 @@ class _Collector:
         yield gauge("tier_enabled", {t: float(v["enabled"]) for t, v in tiers.items()})
         yield gauge("admission_sightings_needed", {t: v.get("sightings_needed") for t, v in tiers.items()})
         yield gauge("orphan_blocks", snap["orphan_blocks_by_tier"])
+        yield gauge("shared_tier_authenticated", {t: float(v["authenticated"]) for t, v in tiers.items()
+                                                  if "authenticated" in v})
         if m.guard is not None:
             yield counter("guard_transitions", pairs(snap["guard_transitions"]))
             p99 = FAMILIES["guard_window_p99_seconds"]

@@ -2,60 +2,74 @@
 
 A path names a folder, not its contents: a new checkpoint at the same path must be another namespace, and the
 same checkpoint at another path the same one. So the identity is a digest of the model's config (without the
-fields that name where it came from), its quantization and revision, and of every weight file: its name, its
-size, and a checksum we can afford at startup (the safetensors header, and samples spread over the file: a
-fine-tuned checkpoint of the same shapes changes them with overwhelming probability, reading only a few MiB of
-even a large checkpoint). Pure Python: no torch, no vLLM.
+fields that name where it came from), its quantization, and of every weight file: its name and a digest of every
+byte it holds (`kvtier.digests`). A checkpoint updated in place, one tensor anywhere, is another model; a restart
+over unchanged files reads nothing again, their digests being remembered by file identity. A model named by a hub
+id is identified by the snapshot of the hub's cache it was loaded from (`hub_snapshot`), never by its name or a
+revision label, under which other bytes can be uploaded. Pure Python: no torch, no vLLM.
 """
 
 from __future__ import annotations
 
 import json
-import logging
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
+from kvtier.digests import FileDigests
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-SAMPLES = 16  # chunks hashed per weight file, spread from its start to its end
-SAMPLE_BYTES = 64 << 10
-HEADER_MAX = 100 << 20  # a safetensors header larger than this is not one (the format caps it lower)
 UNSTABLE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash")
-log = logging.getLogger(__name__)
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
-def weights_identity(model: str | Path, config: Mapping[str, Any] | None = None, quantization: str | None = None,
-                     revision: str | None = None) -> str:
-    """32 hex chars naming the weights `model` holds (a folder), or, for a name that is not a folder here (a hub
-    id), naming that name, its revision and its config: then only as good as the name."""
+class NoWeights(ValueError):
+    """A folder without a weight file: nothing that could identify the weights."""
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """Every weight file under `folder` (links followed, as the engine's loader follows them), sorted."""
+    return sorted(p for p in folder.rglob("*") if p.name.endswith(WEIGHT_SUFFIXES) and p.is_file())
+
+
+def weights_identity(folder: str | Path, config: Mapping[str, Any] | None = None, quantization: str | None = None,
+                     digests: FileDigests | None = None) -> str:
+    """32 hex chars naming the weights `folder` holds: its config, quantization, and every byte of every weight file
+    (`digests`: where the files' digests are remembered; default `FileDigests()`). NoWeights if it holds none."""
+    folder = Path(folder)
+    files = weight_files(folder) if folder.is_dir() else []
+    if not files:
+        raise NoWeights(f"{folder}: no weight files ({', '.join(WEIGHT_SUFFIXES)}) that could identify the weights")
     digest = xxhash.xxh3_128()
     stable = {k: v for k, v in (config or {}).items() if k not in UNSTABLE_CONFIG_KEYS}
     digest.update(json.dumps(stable, sort_keys=True, default=str).encode())
-    digest.update(f"\0quantization={quantization}\0revision={revision}\0".encode())
-    folder = Path(model)
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)) \
-        if folder.is_dir() else []
-    if not files:
-        log.warning("kvtier: no weight files under %r: the namespace names the model by its name and config only",
-                    str(model))
-        digest.update(f"\0name={model}".encode())
-    for path in files:
-        digest.update(f"\0{path.relative_to(folder)}\0{path.stat().st_size}\0".encode())
-        digest.update(file_fingerprint(path))
+    digest.update(f"\0quantization={quantization}\0".encode())
+    for path, file_digest in zip(files, (digests or FileDigests()).digests(files)):
+        digest.update(f"\0{path.relative_to(folder)}\0".encode())
+        digest.update(file_digest)
     return digest.hexdigest()
 
 
-def file_fingerprint(path: Path) -> bytes:
-    """The safetensors header (names, dtypes, shapes, offsets) and SAMPLES chunks spread over the file."""
-    size = path.stat().st_size
-    out = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if path.suffix == ".safetensors" and len(head) == 8 and (n := int.from_bytes(head, "little")) < HEADER_MAX:
-            out.update(f.read(n))
-        for i in range(SAMPLES):
-            f.seek(max(0, size - SAMPLE_BYTES) * i // max(1, SAMPLES - 1))
-            out.update(f.read(SAMPLE_BYTES))
-    return out.digest()
+def hub_snapshot(repo_id: str, revision: str | None, cache: Path, commit: str | None = None) -> Path | None:
+    """The folder of a Hugging Face hub cache (`cache`: HF_HUB_CACHE, or the engine's download_dir) that an engine
+    loaded `repo_id` at `revision` from: `snapshots/<commit>`, the commit `refs/<revision>` names (or `revision`
+    itself, a commit hash). `commit`: the one the engine's config came from (its `_commit_hash`), which must be
+    that one. None where there is no such folder, or the two commits differ (the label moved since: which
+    snapshot the engine read cannot be told)."""
+    revision = revision or "main"
+    if repo_id.startswith("/") or ".." in Path(revision).parts or ".." in Path(repo_id).parts:
+        return None
+    storage = cache / ("models--" + repo_id.replace("/", "--"))
+    found = revision if _COMMIT.fullmatch(revision) else None
+    if found is None:
+        try:
+            found = (storage / "refs" / revision).read_text().strip()
+        except OSError:
+            found = commit
+    if found is None or not _COMMIT.fullmatch(found) or (commit is not None and commit != found):
+        return None
+    folder = storage / "snapshots" / found
+    return folder if folder.is_dir() else None

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
-from kvtier.config import KVTierConfig, RedisTierConfig
+from kvtier.config import KVTierConfig, RedisTierConfig, redact_url
 from kvtier.directory import Directory, Status
 from kvtier.metrics import Metrics
 from kvtier.mover import Mover, Reporter
@@ -39,6 +39,9 @@ def build_stores(config: KVTierConfig, payload_nbytes: int, namespace: str, rank
     shared = shared_tier(config)
     if shared is not None:
         stores.shared[shared[0]] = redis_store(shared[1], namespace, payload_nbytes, config.auth_key())
+        if config.auth_key_env is None and rank == 0:
+            log.warning("kvtier: the redis tier at %s is trusted_network: its blocks are not signed, so whoever can "
+                        "write to that Redis decides what is served", redact_url(shared[1].url))
     return stores
 
 

@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvtier.config import finite_float
 from kvtier.sim.cluster import MODES, ROUTINGS, ClusterConfig, paper_cost, simulate_cluster
 from kvtier.sim.cost import CostModel
 from kvtier.traces.locate import ENV, public_trace, traces_dir
@@ -125,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvtier.bench.cluster", description=__doc__.split("\n")[0])
     ap.add_argument("traces", nargs="*", type=Path, help="Mooncake traces (default: both in $KVTIER_TRACES_DIR)")
     ap.add_argument("--engines", type=int, nargs="+", default=[1, 2, 5, 10, 20], help="N for the scaling table")
-    ap.add_argument("--capacity-tokens", type=float, default=3e6, help="per engine (default 3M, as Figure 10)")
+    ap.add_argument("--capacity-tokens", type=finite_float, default=3e6, help="per engine (default 3M, as Figure 10)")
     ap.add_argument("--routing", choices=ROUTINGS, default="affinity", help="for the scaling table")
     args = ap.parse_args(argv)
     paths = args.traces or [public_trace(f"mooncake/{t}_trace.jsonl") for t in ("conversation", "synthetic")]

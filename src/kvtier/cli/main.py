@@ -122,7 +122,7 @@ def _config(args: argparse.Namespace) -> int:
     if args.block_size is None:
         print("kvtier: block_size and engine_block_size follow vLLM's --block-size when unset (--block-size to "
               "see them)", file=sys.stderr)
-    print(config.model_dump_json(indent=2))
+    print(json.dumps(config.redacted(), indent=2))
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvtier.config import finite_float
 from kvtier.plan.make import PlanInputs
 
 HELP = "split the memory budget: weights, workspace, engine KV per GPU; then host and disk tiers, and the flags"
@@ -30,9 +31,10 @@ def add(sub: argparse._SubParsersAction) -> None:
                    "quantization_config)")
     p.add_argument("--kv-dtype", help="vLLM's --kv-cache-dtype: auto, bf16, fp16, fp8 (default: the model's dtype)")
     p.add_argument("--tp", type=int, default=d.tp, help="tensor parallel size (default 1)")
-    p.add_argument("--gpu-gib", type=float, default=d.gpu_gib, help="memory of one GPU as it reports it (default "
-                   "79.22, an 80 GB H100)")
-    p.add_argument("--gpu-util", type=float, default=d.gpu_util, help="vLLM's --gpu-memory-utilization (default 0.9)")
+    p.add_argument("--gpu-gib", type=finite_float, default=d.gpu_gib,
+                   help="memory of one GPU as it reports it (default 79.22, an 80 GB H100)")
+    p.add_argument("--gpu-util", type=finite_float, default=d.gpu_util,
+                   help="vLLM's --gpu-memory-utilization (default 0.9)")
     p.add_argument("--max-model-len", type=int, help="default: the model's max_position_embeddings, as vLLM")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="default 256")
     p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens,
@@ -40,27 +42,30 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-block-tokens", type=int, default=d.engine_block_tokens,
                    help="vLLM's --block-size (default 16; 128 on the CPU backend)")
     p.add_argument("--block-tokens", type=int, help="kvtier's block size (default: the trace's; 256 without one)")
-    p.add_argument("--workspace-gib", type=float, help="the workspace per GPU, instead of the stated assumption")
-    p.add_argument("--kv-cache-gib", type=float, help="vLLM's --kv-cache-memory-bytes, in GiB: skips the profile")
-    p.add_argument("--cpu-offload-gib", type=float, default=0.0, help="vLLM's --cpu-offload-gb (weight offload, per "
-                   "GPU): counted on the host, and warned about")
-    p.add_argument("--host-gib", type=float, default=d.host_gib, help="the host's RAM (default 512)")
-    p.add_argument("--host-reserved-gib", type=float, help="RAM for the OS and co-located services (default: 5%% "
-                   "of the host, at least 4)")
-    p.add_argument("--process-gib", type=float, help="RAM of the serving processes (default 4 per GPU)")
-    p.add_argument("--page-cache-gib", type=float, default=0.0, help="page cache a buffered storage tier needs "
+    p.add_argument("--workspace-gib", type=finite_float, help="the workspace per GPU, instead of the stated assumption")
+    p.add_argument("--kv-cache-gib", type=finite_float,
+                   help="vLLM's --kv-cache-memory-bytes, in GiB: skips the profile")
+    p.add_argument("--cpu-offload-gib", type=finite_float, default=0.0,
+                   help="vLLM's --cpu-offload-gb (weight offload, per GPU): counted on the host, and warned about")
+    p.add_argument("--host-gib", type=finite_float, default=d.host_gib, help="the host's RAM (default 512)")
+    p.add_argument("--host-reserved-gib", type=finite_float,
+                   help="RAM for the OS and co-located services (default: 5%% of the host, at least 4)")
+    p.add_argument("--process-gib", type=finite_float, help="RAM of the serving processes (default 4 per GPU)")
+    p.add_argument("--page-cache-gib", type=finite_float, default=0.0, help="page cache a buffered storage tier needs "
                    "(default 0: kvtier's disk tier uses O_DIRECT)")
-    p.add_argument("--slab-gib", type=float, help="kvtier's host tier (cpu_bytes_to_use), all ranks (default: the "
+    p.add_argument("--slab-gib", type=finite_float,
+                   help="kvtier's host tier (cpu_bytes_to_use), all ranks (default: the "
                    "trace's knee, or all the host can give)")
-    p.add_argument("--disk-gib", type=float, default=0.0, help="disk space for the disk tier (default 0: none)")
+    p.add_argument("--disk-gib", type=finite_float, default=0.0, help="disk space for the disk tier (default 0: none)")
     p.add_argument("--disk-root", default=d.disk_root,
                    help=f"the disk tier's folder in the flags (default {d.disk_root})")
     p.add_argument("--trace", type=Path, help="a trace in any format `kvtier analyze` reads: sizes at its knee")
-    p.add_argument("--ttft-budget-ms", type=float, default=d.ttft_budget_ms, help="p99 TTFT budget (default 2000)")
-    p.add_argument("--tflops", type=float, default=d.tflops, help="effective prefill TFLOP/s (default 400)")
-    p.add_argument("--pcie-gbs", type=float, default=d.pcie_gbs, help="host <-> GPU GB/s (default 25)")
-    p.add_argument("--disk-gbs", type=float, default=d.disk_gbs, help="NVMe read GB/s (default 6)")
-    p.add_argument("--itl-ms", type=float, default=d.itl_ms, help="decode ms per output token (default 20)")
+    p.add_argument("--ttft-budget-ms", type=finite_float, default=d.ttft_budget_ms,
+                   help="p99 TTFT budget (default 2000)")
+    p.add_argument("--tflops", type=finite_float, default=d.tflops, help="effective prefill TFLOP/s (default 400)")
+    p.add_argument("--pcie-gbs", type=finite_float, default=d.pcie_gbs, help="host <-> GPU GB/s (default 25)")
+    p.add_argument("--disk-gbs", type=finite_float, default=d.disk_gbs, help="NVMe read GB/s (default 6)")
+    p.add_argument("--itl-ms", type=finite_float, default=d.itl_ms, help="decode ms per output token (default 20)")
     p.add_argument("--measure", action="store_true", help="check the plan on this machine's vLLM CPU engine: start "
                    "--model (default: the tiny model, built here) with --kv-cache-gib (default 1) and compare the KV "
                    "blocks and weight bytes it allocates with the plan's")

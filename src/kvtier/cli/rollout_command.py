@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from kvtier.config import finite_float
 from kvtier.rollout.harness import STEPS
 
 DESCRIPTION = """\
@@ -36,7 +37,7 @@ def add(sub: argparse._SubParsersAction) -> None:
                          help=f"comma-separated, in order (default: {','.join(STEPS)})")
     rollout.add_argument("--levels", default="1,2,4", help="concurrency levels (default 1,2,4); 1 is one request at "
                          "a time, the others open-loop Poisson arrivals at that many times level 1's service rate")
-    rollout.add_argument("--ttft-budget-ms", type=float, help="the rollback rule's TTFT p99 budget")
+    rollout.add_argument("--ttft-budget-ms", type=finite_float, help="the rollback rule's TTFT p99 budget")
     rollout.add_argument("--model", type=Path, help="the embedded server's model: a folder `kvtier tiny-model` "
                          "wrote (default: one built here)")
     common(rollout, requests=24)

@@ -22,6 +22,8 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from kvtier.config import finite_float
+
 COMMANDS = ("generate", "analyze", "simulate")
 GiB = 1 << 30
 
@@ -45,8 +47,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("output", type=Path, help="the .jsonl file to write")
     gen.add_argument("--requests", type=int, default=2000, help="requests (default 2000)")
     gen.add_argument("--seed", type=int, default=0, help="seed (default 0)")
-    gen.add_argument("--rate", type=float, default=2.0, help="arrivals of new conversations per second (default 2)")
-    gen.add_argument("--think-time", type=float, default=30.0,
+    gen.add_argument("--rate", type=finite_float, default=2.0,
+                     help="arrivals of new conversations per second (default 2)")
+    gen.add_argument("--think-time", type=finite_float, default=30.0,
                      help="mean seconds between a session's turns, exponential (default 30)")
     gen.add_argument("--block-tokens", type=int, default=256, help="tokens per block (default 256)")
 
@@ -55,13 +58,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        "agentic trace (a .json per conversation, a folder of them, or JSONL); the format is detected")
         p.add_argument("--model", default="llama-3.1-8b", choices=sorted(PRESETS), help="layout preset "
                        "(default llama-3.1-8b)")
-        p.add_argument("--engine-kv-gib", type=float, default=40, help="the engine's KV cache memory (default 40)")
-        p.add_argument("--host-gib", type=float, default=256, help="host tier size (default 256)")
-        p.add_argument("--disk-gib", type=float, default=2048, help="disk tier size (default 2048)")
-        p.add_argument("--tflops", type=float, default=400, help="effective prefill TFLOP/s (default 400)")
-        p.add_argument("--pcie-gbs", type=float, default=25, help="host <-> GPU GB/s (default 25)")
-        p.add_argument("--disk-gbs", type=float, default=6, help="NVMe read GB/s (default 6)")
-        p.add_argument("--network-gbs", type=float, default=12.5, help="network GB/s (default 12.5 = 100 Gbit/s)")
+        p.add_argument("--engine-kv-gib", type=finite_float, default=40,
+                       help="the engine's KV cache memory (default 40)")
+        p.add_argument("--host-gib", type=finite_float, default=256, help="host tier size (default 256)")
+        p.add_argument("--disk-gib", type=finite_float, default=2048, help="disk tier size (default 2048)")
+        p.add_argument("--tflops", type=finite_float, default=400, help="effective prefill TFLOP/s (default 400)")
+        p.add_argument("--pcie-gbs", type=finite_float, default=25, help="host <-> GPU GB/s (default 25)")
+        p.add_argument("--disk-gbs", type=finite_float, default=6, help="NVMe read GB/s (default 6)")
+        p.add_argument("--network-gbs", type=finite_float, default=12.5,
+                       help="network GB/s (default 12.5 = 100 Gbit/s)")
         p.add_argument("--block-tokens", type=int, help="block size for kvtier `tokens` and CSV traces")
         p.add_argument("--json", type=Path, help="write every figure to this file")
         p.add_argument("--html", type=Path, help="write one self-contained page with tables and plots")
@@ -70,7 +75,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                              description="Reads the trace once: shared prefixes, reuse time and distance, a block "
                              "size table, one-shot blocks, the LRU miss-ratio curve, and a verdict with reasons.")
     deployment(analyze)
-    analyze.add_argument("--ttft-budget-ms", type=float, default=2000, help="p99 TTFT budget (default 2000)")
+    analyze.add_argument("--ttft-budget-ms", type=finite_float, default=2000, help="p99 TTFT budget (default 2000)")
 
     simulate = sub.add_parser("simulate", help="replay a trace through kvtier configurations; recommend one",
                               description="Replays the trace through kvtier's directory (the runtime's own code) "
@@ -83,7 +88,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                           help="a kvtier config JSON (or a whole --kv-transfer-config); repeat to compare several")
     simulate.add_argument("--instances", type=int, help="prefill servers (default: recomputing every prompt "
                           "would keep them 70%% busy)")
-    simulate.add_argument("--itl-ms", type=float, default=20, help="decode ms per output token (default 20)")
+    simulate.add_argument("--itl-ms", type=finite_float, default=20, help="decode ms per output token (default 20)")
     simulate.add_argument("--guard", metavar="JSON", help="run the guard (the rollback rule) in every configuration "
                           "with tiers: the config's `guard` object, e.g. '{\"ttft_p99_ms\": 2000, \"window_s\": 60}' "
                           "(or a file holding it); the report says when it turned a tier off")

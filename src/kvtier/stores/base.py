@@ -139,6 +139,11 @@ class SharedStore(ObjectStore, Protocol):
 
     def capacity_bytes(self) -> int: ...
 
+    @property
+    def authenticated(self) -> bool:
+        """Whether only blocks signed with the deployment's key are served."""
+        ...
+
 
 @dataclass
 class Stores:

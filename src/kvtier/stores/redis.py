@@ -126,6 +126,11 @@ class RedisStore:
         self._counts, self._counts_lock = Counter[str](), threading.Lock()
 
     @property
+    def authenticated(self) -> bool:
+        """Whether only blocks signed with this store's key are served (a block without the MAC is a miss)."""
+        return self._auth is not None
+
+    @property
     def footprint(self) -> int:
         """Bytes one block counts against max_bytes: its header and payload."""
         return self.value_nbytes

@@ -3,11 +3,14 @@
 A `tokens` line is cut into blocks of the reader's `block_tokens` and named with the same chained sha256 keys
 the runtime uses (`kvtier.keys.chain_keys`), so two requests share a block exactly when they share the whole
 prefix up to it; a trailing partial block gets a key too (chained the same way), as in the Mooncake traces.
-A `keys` line brings its own prefix-chained keys (hex strings or ints) and must say its `block_tokens`.
+A `keys` line brings its own prefix-chained keys (hex strings of whole bytes, or ints) and must say its
+`block_tokens`. Lines come in arrival order: a timestamp earlier than the line before it is refused (a replay in
+file order would run it late), as is a hex key of an odd length (a byte string cut short).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +19,7 @@ from kvtier.traces.fields import Path, count, interned, is_int, json_lines, numb
 from kvtier.traces.request import TraceError, TraceRequest
 
 DEFAULT_BLOCK_TOKENS = 256
+_HEX = re.compile(r"[0-9a-fA-F]+")  # int(_, 16) alone would also take "0x..", "-1", "f_f" and spaces
 
 
 def read_kvtier_jsonl(path: Path, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> Iterator[TraceRequest]:
@@ -23,8 +27,13 @@ def read_kvtier_jsonl(path: Path, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> I
     if block_tokens <= 0:
         raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
     table: dict[Any, int] = {}
+    last: tuple[int, float] | None = None  # the line before, and its timestamp
     for line, obj in json_lines(path):
         timestamp = number(obj, "timestamp", path, line)
+        if last is not None and timestamp < last[1]:
+            raise TraceError(path, line, "timestamp", f"{timestamp!r} is earlier than line {last[0]}'s {last[1]!r}: "
+                             "requests must come in arrival order (sort the file by timestamp)")
+        last = (line, timestamp)
         has_tokens, has_keys = "tokens" in obj, "keys" in obj
         if has_tokens == has_keys:
             problem = "a line needs exactly one of 'tokens' and 'keys'"
@@ -77,13 +86,11 @@ def _given_keys(keys: object, path: Path, line: int) -> list[int]:
         if is_int(key) and key >= 0:
             out.append(key)
             continue
-        if isinstance(key, str):
-            try:
-                value = int(key, 16)
-            except ValueError:
-                value = -1
-            if value >= 0:
-                out.append(value)
-                continue
+        if isinstance(key, str) and _HEX.fullmatch(key):
+            if len(key) % 2:
+                raise TraceError(path, line, "keys", f"item {i} has an odd number of hex digits (a byte cut short): "
+                                 f"{key!r}")
+            out.append(int(key, 16))
+            continue
         raise TraceError(path, line, "keys", f"item {i} is not a hex string or an int >= 0: {key!r}")
     return out

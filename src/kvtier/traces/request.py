@@ -8,10 +8,10 @@ requests. The kvtier JSONL format (one object per line) that generators write an
      "session": "s7", "tenant": "acme", "priority": 50}
     {"timestamp": 13.0, "keys": ["9f3a...", "01bc..."], "block_tokens": 256, "input_length": 400, ...}
 
-`timestamp` is seconds from the trace start. A line has `tokens` (chunked into chained blocks at the reader's
-block size; a partial last block is kept) or `keys` (prefix-chained block keys, hex strings or ints, with
-`block_tokens`); `input_length` defaults to len(tokens) or len(keys) * block_tokens. Other fields are
-optional.
+`timestamp` is seconds from the trace start, lines in arrival order. A line has `tokens` (chunked into chained
+blocks at the reader's block size; a partial last block is kept) or `keys` (prefix-chained block keys, hex strings
+of whole bytes or ints, with `block_tokens`); `input_length` defaults to len(tokens) or len(keys) * block_tokens.
+Other fields are optional.
 """
 
 from __future__ import annotations

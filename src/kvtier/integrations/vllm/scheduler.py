@@ -17,6 +17,7 @@ the guard and the decision `control.SchedulerControl`'s, the figures `scheduler_
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+GENERATION_BYTES = 16  # a reset's random generation: no two engines' resets ever make the same keys
 
 
 class SchedulerSide:
@@ -132,17 +134,23 @@ class SchedulerSide:
         return holds, None
 
     def reset_cache(self) -> bool:
-        """vLLM's `reset_prefix_cache(reset_connector=True)`, e.g. after a weight update: nothing stored before
-        may be served again. Every local block is dropped (host slots freed, files deleted, what is in flight
-        once its transfer ends), and keys get a new generation from now on, so that no tier, the shared one
-        included, can hit an old block: other engines may still use those, which age out by the tier's LRU."""
-        self._generation = (int.from_bytes(self._generation or b"\0", "big") + 1).to_bytes(4, "big")
+        """vLLM's `reset_prefix_cache(reset_connector=True)`, e.g. after a weight update in place (the namespace,
+        taken from the weights at startup, stays): nothing stored before may be served again. Every local block is
+        dropped (host slots freed, files deleted, what is in flight once its transfer ends), and keys get a new
+        generation from now on, so that no tier, the shared one included, can hit an old block: other engines may
+        still use those, which age out by the tier's LRU.
+
+        The generation is random (GENERATION_BYTES), never a count: engines sharing a Redis that each reset once
+        would count alike and hit each other's blocks, computed by other weights. It is this engine's alone (its
+        ranks get it through the keys of its plans) and this run's: a restart reloads the weights from their files,
+        which name the namespace again, and starts with none."""
+        self._generation = secrets.token_bytes(GENERATION_BYTES)
         self.directory.drop_all()
         for state in self._requests.values():
             state.asked = state.promise = None
         self._collect_garbage()
-        log.info("kvtier: cache reset (generation %d): every tier's blocks are dropped or unreachable",
-                 int.from_bytes(self._generation, "big"))
+        log.info("kvtier: cache reset (generation %s): every tier's blocks are dropped or unreachable",
+                 self._generation.hex())
         return True
 
     def stats_payload(self) -> dict:

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.config import ConfigError, KVTierConfig, for_engine
 from kvtier.keys import Namespace
-from kvtier.weights import weights_identity
+from kvtier.weights import NoWeights, hub_snapshot, weights_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,25 +66,52 @@ def geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KV
     if len(groups) != 1:
         raise ConfigError(f"kvtier supports models with one KV-cache group; this one has {len(groups)}")
     spec = groups[0].kv_cache_spec
+    engine_id = str(getattr(vllm_config, "instance_id", "") or uuid.uuid4().hex)
     return Geometry(
         engine_block_size=vllm_config.cache_config.block_size,
         block_tokens=config.block_size,
         engine_block_nbytes=spec.page_size_bytes * len(groups[0].layer_names),
         world_size=vllm_config.parallel_config.world_size,
-        model=_weights(vllm_config.model_config),
+        model=_weights(vllm_config, engine_id),
         dtype=str(vllm_config.cache_config.cache_dtype) + "/" + str(vllm_config.model_config.dtype),
         kv_layout=str(kv_cache_config.kv_cache_layout or type(spec).__name__),
         hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
         tenant_salt=config.tenant_salt,
         auth=config.auth_fingerprint(),
-        engine_id=str(getattr(vllm_config, "instance_id", "") or uuid.uuid4().hex),
+        engine_id=engine_id,
     )
 
 
-def _weights(model_config: Any) -> str:
-    """The identity of the weights the engine serves (kvtier.weights), not the path it found them at."""
+def _weights(vllm_config: VllmConfig, engine_id: str) -> str:
+    """The identity of the weights the engine serves (kvtier.weights): every byte of the files it loaded, found in
+    the model's folder or, for a hub id, in the hub cache's snapshot. Weights in no folder kvtier can read (another
+    loader, a moved revision) get an identity of this engine's own: its disk and Redis blocks are then shared with
+    no other engine, and kept across no restart."""
+    model_config = vllm_config.model_config
     hf_config = getattr(model_config, "hf_config", None)
     to_dict = getattr(hf_config, "to_dict", None)
     config = to_dict() if callable(to_dict) else {}
-    return weights_identity(str(model_config.model), config, getattr(model_config, "quantization", None),
-                            getattr(model_config, "revision", None))
+    folder = weights_folder(model_config, vllm_config.load_config)
+    if folder is not None:
+        try:
+            return weights_identity(folder, config, getattr(model_config, "quantization", None))
+        except NoWeights:
+            pass
+    log.warning("kvtier: no local weight files of %r were found (a hub id is looked up in the hub cache's snapshot "
+                "it was loaded from): the disk and redis tiers keep this engine's blocks to this engine",
+                str(model_config.model))
+    return f"unidentified:{model_config.model}:{engine_id}"
+
+
+def weights_folder(model_config: Any, load_config: Any) -> Path | None:
+    """The folder vLLM loaded the weights from: the model itself when it is a folder, else the snapshot of the hub
+    cache (its download_dir, or HF_HUB_CACHE) at the model's revision and its config's commit. Nothing is asked of
+    the hub."""
+    model = str(model_config.model)
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import constants  # vLLM's own dependency: where it downloaded the model to
+
+    cache = getattr(load_config, "download_dir", None) or constants.HF_HUB_CACHE
+    commit = getattr(getattr(model_config, "hf_config", None), "_commit_hash", None)
+    return hub_snapshot(model, getattr(model_config, "revision", None), Path(cache), commit)

@@ -106,16 +106,22 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
 
     def _from_startup(self, vllm_config: Any, per_engine_labelvalues: dict[int, list[object]]) -> None:
         """Series with values before the first request: every tier on, no token looked up yet (misses included),
-        so that a dashboard's hit ratio and the guard's state exist from the start."""
+        whether the shared tier is signed, so that a dashboard's hit ratio, the guard's state and the trust the
+        config placed in the network exist from the start."""
         extra = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None)
         try:
-            names = parse_config(extra or {}).tier_names()
+            config = parse_config(extra or {})
         except ValueError:
             return  # the engine itself reports the bad config, naming the field
+        names = config.tier_names()
+        shared = [n for n, t in zip(names[1:], config.secondary_tiers) if t.type == "redis"]
+        signed = int(config.auth_key_env is not None)
         for values in per_engine_labelvalues.values():
             engine = [str(v) for v in values]
             for tier in names:
                 self._gauges["tier_enabled"].labels(*engine, tier).set(1)
+            for tier in shared:
+                self._gauges["shared_tier_authenticated"].labels(*engine, tier).set(signed)
             for source in ("engine", *names, "miss"):
                 self._counters["lookup_tokens"].labels(*engine, source).inc(0)
 
