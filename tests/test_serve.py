@@ -163,3 +163,38 @@ def test_a_graceful_stop_writes_the_host_tier_to_disk_and_the_restarted_server_s
         server.stop()
     assert f"disk 64 MiB (127 blocks, lru, {flushed.group(1)} recovered)" in (tmp_path / "second.log").read_text()
     assert m['kvtier_lookup_tokens_total{source="disk"}'] >= 1536 and again["choices"] == first[0]["choices"]
+
+
+def chat(server: Server, messages: list[dict]) -> dict:
+    body = json.dumps({"model": server.model, "messages": messages, "max_tokens": 4, "temperature": 0}).encode()
+    request = urllib.request.Request(f"{server.url}/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_chat_users_that_differ_only_in_their_text_share_the_prefix_cache_only_where_their_texts_do(model_dir,
+                                                                                                      tmp_path):
+    """A multi-turn chat client sends text, not ids: every user's prompt must be its own tokens, so that vLLM's
+    prefix cache (no connector here) hits a user's own earlier turns, and another user's only as far as the two
+    texts are the same."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    system = {"role": "system", "content": "You answer questions about the quarterly report. " * 8}
+    users = {n: [system, {"role": "user", "content": f"For user {n}, here are some other context: hi hi hi. " * 4}]
+             for n in (1, 2)}
+    ids = {n: tokenizer.encode(tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+                               add_special_tokens=False) for n, m in users.items()}
+    shared = next(i for i, (a, b) in enumerate(zip(ids[1], ids[2])) if a != b)
+    assert 128 <= shared < len(ids[1]) - 128  # the system message's blocks are shared, the users' own are not
+    server = serve(model_dir, None, tmp_path / "chat.log", [])
+    try:
+        first = chat(server, users[1])
+        other = chat(server, users[2])
+        users[1] += [first["choices"][0]["message"], {"role": "user", "content": "And the next quarter?"}]
+        again = chat(server, users[1])
+    finally:
+        server.stop()
+    assert first["usage"]["prompt_tokens"] == len(ids[1]) and other["usage"]["prompt_tokens"] == len(ids[2])
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == shared // 128 * 128
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(ids[1]) // 128 * 128

@@ -37,11 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the rollout on the embedded default (vllm serve, tiny model, this CPU)",
                           description="`kvtier rollout` with every step on the embedded default: builds a tiny "
                           "random-weight Llama and a tokenizer locally, serves it with `vllm serve` on the CPU and "
-                          "sends the built-in mix (shared system prompts, RAG documents, multi-turn sessions, unique "
-                          "prompts, long and short) over HTTP: reference, baseline, headroom, + host, + host and disk "
-                          "with its drills, and the rollback drill. Exit code 1 if a request served from a tier "
-                          "differs from the reference with the same cached KV lineage, or a drill fails.")
-    rollout_command.common(demo, requests=24)
+                          "sends the built-in mix (a hot set of system prompts and RAG documents, multi-turn sessions "
+                          "that come back after longer gaps, unique prompts) over HTTP: reference, baseline, headroom "
+                          "and the tiers' sizes, + host, + host and disk with its drills, and the rollback drill. "
+                          "Exit code 1 if a request served from a tier differs from the reference with the same "
+                          "cached KV lineage, or a drill fails.")
+    rollout_command.common(demo, requests=40)
     demo.set_defaults(html=Path("out/demo.html"))
     demo.add_argument("--in-process", action="store_true", help="no vLLM: the same tiers behind an in-process "
                       "engine stand-in (TieredCache), every restored block checked against recomputation")
@@ -66,8 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("tiny-model",
                           help="write a servable tiny Llama: random weights, a tokenizer, a chat template",
                           description="Builds, without downloading anything, the model the tests, bench and demo "
-                          "serve: a 4-layer Llama with random weights and a word-level tokenizer trained here "
-                          "(deterministic), with a chat template. `vllm serve DIR` serves it on the CPU.")
+                          "serve: a 4-layer Llama with random weights and a tokenizer built here (deterministic: whole "
+                          "pseudo-words, bytes for any other text), with a chat template. `vllm serve DIR` serves it "
+                          "on the CPU.")
     tiny.add_argument("dir", type=Path, help="the folder to write (created)")
     trace_commands.add_commands(sub)
     plan_command.add(sub)
