@@ -23,7 +23,7 @@ def same_as_the_clients(run: dict) -> None:
     tokens = run["tokens"]
     cached = tokens["engine"] + tokens["host"] + tokens["disk"] + tokens["remote"]
     assert tokens["prompt"] == run["client_prompt_tokens"], run["label"]
-    if run["rate_per_s"] is None:
+    if run["load"]["clients"] == 1:
         assert cached == run["client_cached_tokens"], run["label"]
     lookups = run["kvtier"]  # kvtier's own families: whole blocks found, vLLM's the tokens loaded (up to a block less)
     for source in ("host", "disk"):
@@ -43,19 +43,32 @@ def test_the_rollout_on_the_embedded_default(tmp_path, served_model):
     from kvtier.rollout.run import run
 
     before = in_temp_folder()
-    report = run(Options(requests=12, levels=(1, 2), model=Path(served_model)), Console(file=open(os.devnull, "w")))
+    report = run(Options(requests=12, levels=(1, 2), think_s=0.2, model=served_model),
+                 Console(file=open(os.devnull, "w")))
     left = in_temp_folder() - before  # the servers' sockets and files, the restart drill's kill -9 included
     assert not left, f"the rollout left {sorted(p.name for p in left)} in the temp folder"
     steps = {s["name"]: s for s in report["steps"]}
     assert list(steps) == ["reference", "baseline", "headroom", "host", "host+disk", "rollback"]
     assert report["exact"] is True
+    capacity, tiers = report["capacity"], report["tiers"]
+    assert capacity["service_s"] > 0 and capacity["think_s"] == 0.2
+    # the host tier at the elbow of the workload's reuse curve, the disk tier for the rest, in the tiny model's
+    # 512 KiB blocks; and what the servers were started with
+    assert tiers["block_bytes"] == 256 * 2048 and tiers["host_bytes"] == tiers["elbow_bytes"] > 0
+    assert tiers["disk_bytes"] >= tiers["reused_bytes"] - tiers["host_bytes"] and tiers["disk_bytes"] > 0
+    assert steps["host"]["config"]["cpu_bytes_to_use"] == tiers["host_bytes"]
+    assert steps["host+disk"]["config"]["secondary_tiers"][0]["max_bytes"] == tiers["disk_bytes"]
+    assert len(steps["reference"]["levels"]) == 1
     for name in ("baseline", "host", "host+disk"):
         e = steps[name]["exactness"]
-        assert e["compared"] >= 6 and e["identical"] == e["compared"], (name, e)
-        for level in steps[name]["levels"]:
+        assert e["compared"] >= 4 and e["identical"] == e["compared"], (name, e)
+        for level, clients in zip(steps[name]["levels"], (1, 2), strict=True):
             assert level["errors"] == 0 and level["requests"] == 12
-            assert set(level["ttft_ms"]) == set(level["itl_ms"]) == {"p50", "p95", "p99"}
+            assert level["ttft_ms"]["n"] == 12 and set(level["itl_ms"]) == {"p50", "p95", "p99", "n"}
+            assert level["load"]["clients"] == clients and 0 < level["load"]["busy_share"] <= 1
             same_as_the_clients(level)
+        finding = report["findings"][name]
+        assert finding["reused_n"] + finding["unique"][0]["n"] == 12 and finding["gap_closed"] is not None
     host_levels = steps["host"]["levels"]
     # lookup_tokens counts what a tier served; a hit the load-or-recompute decision declined (it judged recomputing
     # faster: timing, contention) is counted as a decision of that tier instead
@@ -97,8 +110,8 @@ def test_a_kv_cache_tester_trace_through_the_cli_and_a_corrupted_restore_caught(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(corrupt), os.environ.get("PYTHONPATH")]))}
     out = tmp_path / "rollout.json"
     proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "rollout", "--trace", str(ROOT / "tests" / "data" /
-                           "traces" / "agentic"), "--steps", "reference,host", "--levels", "1", "--model", served_model,
-                           "--json", str(out)],
+                           "traces" / "agentic"), "--steps", "reference,host", "--levels", "1", "--think-s", "0",
+                           "--model", served_model, "--json", str(out)],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -111,10 +124,40 @@ def test_a_kv_cache_tester_trace_through_the_cli_and_a_corrupted_restore_caught(
     assert "FAILED" in proc.stdout
 
 
+def test_your_own_server_gets_the_sizes_and_the_disk_root_you_give(tmp_path, served_model):
+    """`--command` starts the server from a template (here `vllm serve` with the tiny model, as a user would write
+    it); `--model` gives its geometry, `--host-bytes` and `--disk-root` the host tier and where the disk tier's
+    files go: the server's startup line says what it was given, and the files are under the root."""
+    from kvtier.rollout.server import ENGINE_FLAGS
+
+    root = tmp_path / "nvme"
+    root.mkdir()
+    template = " ".join([str(Path(sys.executable).parent / "vllm"), "serve", served_model, "--port", "{port}",
+                         *ENGINE_FLAGS, "--num-gpu-blocks-override", "48", "{kv_transfer_config}"])
+    out = tmp_path / "rollout.json"
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "rollout", "--command", template, "--model",
+                           str(Path(served_model) / "config.json"), "--host-bytes", "24MiB", "--disk-root", str(root),
+                           "--steps", "host+disk", "--levels", "1", "--requests", "6", "--think-s", "0",
+                           "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    step = json.loads(out.read_text())["steps"][0]
+    assert step["startup_line"].startswith("tiers host 24 MiB (48 blocks"), step["startup_line"]
+    disk = step["config"]["secondary_tiers"][0]
+    assert Path(disk["root_dir"]).parent == root
+    assert f"disk {disk['max_bytes'] / 2**20:,.0f} MiB" in step["startup_line"]
+    assert list(root.rglob("*.kv")), "the disk tier's files are under --disk-root"
+    assert all(d["passed"] for d in step["drills"]), [d["outcome"] for d in step["drills"]]
+
+
 @pytest.mark.parametrize("args, named", [
     (["--steps", "baseline,foo"], "'foo'"), (["--levels", "1,x"], "'1,x'"), (["--trace", "/no/such/trace"], "/no/such"),
     (["--model", "/no/such/model"], "/no/such/model"), (["--requests", "0"], "--requests"),
     (["--command", "vllm serve m"], "{port}"), (["--command", "x {port}", "--steps", "reference"], "reference"),
+    (["--host-bytes", "1000TiB"], "--host-bytes"), (["--host-bytes", "12XB"], "--host-bytes"),
+    (["--disk-root", "/no/such/root"], "--disk-root"), (["--rates", "0.5,2"], "--rates"),
+    (["--kv-config", "/no/such/config.json"], "--kv-config"), (["--think-s", "inf"], "--think-s"),
+    (["--command", "x {port}", "--steps", "baseline,host"], "--model"),
+    (["--command", "x {port}", "--steps", "baseline,host", "--model", "/no/such/config.json"], "/no/such/config.json"),
 ])
 def test_bad_input_exits_2_naming_it_before_any_server_starts(args: list[str], named: str):
     proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "rollout", *args], capture_output=True, text=True,

@@ -95,9 +95,22 @@ class Analysis:
 
     def bytes_for(self, share_of_max: float) -> int:
         """KV bytes an LRU cache needs to reach `share_of_max` of the achievable token hit ratio."""
+        return self.blocks_for(share_of_max) * self.block_bytes
+
+    def blocks_for(self, share_of_max: float) -> int:
         hits = self.mrc.hit_tokens
-        capacity = int(np.searchsorted(hits, share_of_max * hits[-1])) if hits[-1] else 0
-        return capacity * self.block_bytes
+        return int(np.searchsorted(hits, share_of_max * hits[-1])) if hits[-1] else 0
+
+    def elbow_blocks(self) -> int:
+        """The capacity (blocks) at the elbow of the token hit curve: where it departs most from the straight line
+        from no cache to a cache that hits every reuse, past which more capacity buys the least per block (the
+        "kneedle" point of a concave curve). 0 without reuse."""
+        top = self.blocks_for(1.0)
+        hits = self.mrc.hit_tokens[: top + 1]
+        if top == 0 or hits[-1] == 0:
+            return 0
+        gain = hits / hits[-1] - np.arange(top + 1) / top
+        return int(np.argmax(gain))
 
     def tier_hit_ratios(self) -> dict[str, float]:
         """Approximate hit ratios per deployment step, as an LRU of the capacity the step adds up to.

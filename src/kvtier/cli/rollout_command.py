@@ -4,26 +4,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 from pathlib import Path
 
 from kvtier.config import finite_float
-from kvtier.rollout.harness import STEPS
+from kvtier.rollout.options import STEPS
 
 DESCRIPTION = """\
 The seven-step rollout, one change at a time, against a real OpenAI-compatible server over HTTP:
 (1) baseline: the engine's prefix cache alone (and, on the embedded default, a reference whose engine cache
-holds everything: a bigger GPU, and the exactness oracle); (2) the host's memory headroom; (3) a small host
-tier; (4) hit quality: prompt tokens by source from the server's /metrics; (5) tail latency: every step at
-rising concurrency, open-loop arrivals, streaming TTFT / ITL / end-to-end p50/p95/p99; (6) a disk tier and its
-drills: promotion burst, storage pressure, kill -9 restart, cache loss; (7) the rollback rule: the guard's
-TTFT budget (1.5 x the baseline's worst p99 unless given) on every level and drill, the guard running in the
-server, and a drill that slows the disk past the budget until the guard turns it off and back on (one request
-at a time: its budget is 1.5 x the baseline's p99 at concurrency 1 unless given).
+holds everything: a bigger GPU, and the exactness oracle); (2) the host's memory headroom, and the tiers sized
+by it and by the workload (the host tier at the elbow of its reuse curve, the disk tier for the rest it
+reuses); (3) a host tier; (4) hit quality: prompt tokens by source from the server's /metrics; (5) tail
+latency at rising load: closed-loop clients (each sends its next request once answered, after a think time),
+TTFT / ITL / end-to-end p50/p95/p99 with the count each rests on, how busy the server was and how long requests
+queued; (6) a disk tier and its drills: promotion burst, storage pressure, kill -9 restart, cache loss; (7) the
+rollback rule: the guard's TTFT budget (1.5 x the baseline's worst p99 over the levels it carried, unless
+given) on every level and drill, the guard running in the server, and a drill that slows the disk past the
+budget until the guard turns it off and back on.
 
 By default it starts `vllm serve` itself for each step: a tiny random-weight Llama built here, on this CPU.
 --command starts your server instead: a shell template with {port} and {kv_transfer_config}, e.g.
-  kvtier rollout --steps baseline,host --command 'vllm serve my/model --port {port} {kv_transfer_config}'
-Exit code 1 when a request served from a tier differs from the reference or a drill fails."""
+  kvtier rollout --steps baseline,host --model my/config.json --disk-root /mnt/nvme/kv \\
+      --command 'vllm serve my/model --port {port} {kv_transfer_config}'
+Exit code 1 when a request served from a tier differs from the reference or a drill fails; 2 on bad input."""
+
+UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
+         "gb": 10**9, "tb": 10**12}
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -35,15 +43,29 @@ def add(sub: argparse._SubParsersAction) -> None:
                          help="a shell template that starts your server (see above)")
     rollout.add_argument("--steps", default=",".join(STEPS),
                          help=f"comma-separated, in order (default: {','.join(STEPS)})")
-    rollout.add_argument("--levels", default="1,2,4", help="concurrency levels (default 1,2,4); 1 is one request at "
-                         "a time, the others open-loop Poisson arrivals at that many times level 1's service rate")
     rollout.add_argument("--ttft-budget-ms", type=finite_float, help="the rollback rule's TTFT p99 budget")
-    rollout.add_argument("--model", type=Path, help="the embedded server's model: a folder `kvtier tiny-model` "
-                         "wrote (default: one built here)")
-    common(rollout, requests=24)
+    rollout.add_argument("--host-bytes", help="the host tier (e.g. 64MiB, 2GiB; default: at the elbow of the "
+                         "workload's reuse curve, within the host's headroom)")
+    rollout.add_argument("--disk-bytes", help="the disk tier (default: the rest of what the workload reuses)")
+    rollout.add_argument("--disk-root", type=Path, help="where the disk tier's files go: your NVMe (default: a temp "
+                         "folder of the rollout's)")
+    rollout.add_argument("--kv-config", type=Path, help="a JSON object of step name (host, host+disk, rollback) -> "
+                         "that step's whole kv_connector_extra_config, in place of the sized tiers")
+    common(rollout, requests=40)
 
 
 def common(parser: argparse.ArgumentParser, requests: int) -> None:
+    parser.add_argument("--model", help="the served model: a folder with its config.json (the embedded server "
+                        "serves it; default: a tiny model built here), or with --command its config.json or a "
+                        "preset (`kvtier plan --help`): the tiers are sized in its KV bytes")
+    parser.add_argument("--levels", default="1,2", help="closed-loop clients per level (default 1,2); 1 is one "
+                        "request at a time, what the exactness check compares")
+    parser.add_argument("--think-s", type=finite_float, help="each client's mean think time between its requests "
+                        "(default: from the server's measured service time, so that the busiest level would keep "
+                        "it busy 90%% of the time were every prompt recomputed; 0: back to back, as vllm bench "
+                        "serve --max-concurrency)")
+    parser.add_argument("--rates", help="open loop instead of --levels: Poisson arrivals at these fractions of the "
+                        "server's measured capacity (e.g. 0.3,0.6)")
     parser.add_argument("--requests", type=int, default=requests, help=f"requests per level (default {requests})")
     parser.add_argument("--max-tokens", type=int, default=8, help="output tokens per request at most (default 8)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
@@ -51,26 +73,50 @@ def common(parser: argparse.ArgumentParser, requests: int) -> None:
     parser.add_argument("--html", type=Path, help="write the plots and tables to this HTML file")
 
 
+def byte_size(flag: str, text: str | None) -> int | None:
+    """`--host-bytes 64MiB`: an int of bytes, with an optional unit (KiB, MiB, GiB, TiB or KB, MB, GB, TB)."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in UNITS:
+        raise ValueError(f"{flag}: expected a number of bytes with an optional unit (e.g. 64MiB), got {text!r}")
+    value = float(m.group(1)) * UNITS[m.group(2).lower()]
+    if not math.isfinite(value) or value < 1:
+        raise ValueError(f"{flag}: a number of bytes >= 1, got {text!r}")
+    return int(value)
+
+
+def _numbers(flag: str, text: str | None, kind: type) -> tuple:
+    if not text:
+        return ()
+    try:
+        return tuple(kind(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated {kind.__name__}s, got {text!r}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from kvtier.report import readable_console
-    from kvtier.rollout.harness import Options
+    from kvtier.rollout.options import Options
     from kvtier.rollout.present import tables, write_html
     from kvtier.rollout.run import run as run_rollout
 
-    try:
-        levels = tuple(sorted({int(v) for v in getattr(args, "levels", "1,2,4").split(",")} | {1}))
-    except ValueError:
-        raise ValueError(f"--levels: expected comma-separated ints, got {args.levels!r}") from None
+    levels = tuple(sorted(set(_numbers("--levels", args.levels, int)) | {1}))
     trace = getattr(args, "trace", None)
     if trace is not None and not trace.exists():
         raise ValueError(f"--trace: {trace}: no such file or folder")
-    model = getattr(args, "model", None)
-    if model is not None and not (model / "config.json").is_file():
-        raise ValueError(f"--model: {model}: no config.json there (write one with `kvtier tiny-model DIR`)")
-    opts = Options(requests=args.requests, levels=levels, max_tokens=args.max_tokens, trace=trace, model=model,
-                   command=getattr(args, "server_command", None), seed=args.seed,
+    command = getattr(args, "server_command", None)
+    if args.model is not None and not command and not (Path(args.model) / "config.json").is_file():
+        raise ValueError(f"--model: {args.model}: no config.json there (write one with `kvtier tiny-model DIR`)")
+    opts = Options(requests=args.requests, levels=levels, think_s=args.think_s,
+                   rates=_numbers("--rates", args.rates, float), max_tokens=args.max_tokens, trace=trace,
+                   model=args.model, command=command, seed=args.seed,
                    steps=tuple(s.strip() for s in getattr(args, "steps", ",".join(STEPS)).split(",") if s.strip()),
-                   ttft_budget_ms=getattr(args, "ttft_budget_ms", None))
+                   ttft_budget_ms=getattr(args, "ttft_budget_ms", None),
+                   host_bytes=byte_size("--host-bytes", getattr(args, "host_bytes", None)),
+                   disk_bytes=byte_size("--disk-bytes", getattr(args, "disk_bytes", None)),
+                   disk_root=getattr(args, "disk_root", None), kv_config=getattr(args, "kv_config", None))
+    opts.check()
     console = readable_console(None, width=170)
     report = run_rollout(opts, console)
     for renderable in tables(report):

@@ -1,6 +1,8 @@
 """Step 6's drills for the secondary tier, and step 7's drill that breaks the budget.
 
-- promotion burst: every shared prefix of the first level at once, most of them on disk only by now;
+Before them, a fill phase (a hot set of its own) has the host tier, sized for one hot set, let the first level's
+go: the drills find those prefixes on disk, as a tier's prefixes are after a change of traffic.
+- promotion burst: every reused prefix of the first level at once, most of them on disk only;
 - storage pressure: the tier's file system full (injected: `kvtier.rollout.faults`) while new prefixes arrive;
   writes must fail as dropped stores, never as failed requests;
 - restart: kill -9 of the whole server, then the same configuration again: what the disk tier kept comes back;
@@ -19,44 +21,61 @@ from typing import Any
 
 from kvtier.integrations.vllm.tiny_model import ENGINE_BLOCK_TOKENS, ENGINE_BLOCKS
 from kvtier.rollout import client, faults
-from kvtier.rollout.harness import BLOCK_NBYTES, BLOCK_TOKENS, Rollout
+from kvtier.rollout.harness import Rollout
 from kvtier.rollout.server import Server
+from kvtier.rollout.sizes import BLOCK_TOKENS
+from kvtier.rollout.workload import QUESTION_TOKENS, REUSE_TOKENS, VOCAB
 
 DISK_ENABLED = 'kvtier_tier_enabled{tier="disk"}'
+FILL_REQUESTS = 20  # a hot set of its own: the host tier, sized for one, lets the first level's go to disk
 
 
-def shared(ro: Rollout) -> list[client.Prompt]:
-    """The first level's prompts that share a prefix with others (all of them for a trace)."""
-    return [p for p in ro.workload(1) if p.kind != "unique"]
+def prefixes(ro: Rollout) -> list[client.Prompt]:
+    """The first level's reused prompts, one for each prefix they reuse (a prompt less its own last
+    QUESTION_TOKENS): what the levels stored, and by the drills' fill, on disk."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for p in ro.workload(1):
+        key = tuple(p.tokens[: max(REUSE_TOKENS, len(p.tokens) - QUESTION_TOKENS)])
+        if p.reused and key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
 
 
 def secondary(ro: Rollout, server: Server, step: str) -> list[dict]:
+    """The secondary tier's drills. The first level's prefixes were stored long ago; a fill phase (a hot set of
+    its own, with other tokens) has the host tier let them go, so that most are on disk only."""
+    ro.measure(server, "drills: filling the host tier", ro.workload(201)[:FILL_REQUESTS])
     drills = []
-    burst = ro.measure(server, "drill: promotion burst", shared(ro), rate=1000.0)
-    drills.append(outcome("promotion burst", burst, "every shared prefix of level 1 at once",
+    every = prefixes(ro)
+    burst = ro.measure(server, "drill: promotion burst", every, client.Load(clients=len(every)))
+    drills.append(outcome("promotion burst", burst, f"every reused prefix of the first level ({len(every)}) at once",
                           burst["tokens"]["disk"] > 0, "the disk served part of the burst"))
 
-    faults.set_full(ro.root, True)
+    faults.set_full(ro.root, True)  # new prefixes, enough for the host tier to evict: its writes to disk fail
     try:
-        full = ro.measure(server, "drill: storage pressure", ro.workload(101), rate=None)
+        full = ro.measure(server, "drill: storage pressure", ro.workload(101)[:FILL_REQUESTS])
     finally:
         faults.set_full(ro.root, False)
     failed = full["kvtier"].get('kvtier_stores_dropped_total{reason="disk_failed"}', 0)
     drills.append(outcome("storage pressure", full, "disk writes fail with ENOSPC (injected)", failed > 0,
                           f"{failed:.0f} stores dropped as disk_failed, requests unaffected", injected=True))
 
+    # After the restart the host tier is empty: every prefix is on disk only. The restart drill reads half of
+    # them back (into the host tier); the cache loss drill the other half, whose own blocks only the disk had.
     server.kill()
     server.start()
     ready_s = ro.ready(server, "drill: restart")
-    restarted = ro.measure(server, "drill: restart", shared(ro), rate=None)
+    restarted = ro.measure(server, "drill: restart", every[::2])
     drills.append(outcome("restart", restarted, "kill -9 of the server, then the same configuration",
                           restarted["tokens"]["disk"] > 0, f"ready again after {ready_s:.0f} s; the prefixes came "
                           "back from disk"))
 
-    root = ro.root / step / "kv"
+    root = ro.disk_root(step)
     for entry in root.iterdir():
         shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-    lost = ro.measure(server, "drill: cache loss", shared(ro), rate=None)
+    lost = ro.measure(server, "drill: cache loss", every[1::2])
     gone = lost["kvtier"].get('kvtier_evictions_total{reason="lost",tier="disk"}', 0)
     drills.append(outcome("cache loss", lost, "every file of the disk tier deleted under the running server",
                           gone > 0, f"{gone:.0f} blocks found gone when read: recomputed, every request answered"))
@@ -74,13 +93,12 @@ def rollback(ro: Rollout, server: Server, budget_ms: float) -> dict:
 
     Each prompt's prefix is one kvtier block, so a request that reads the disk waits for one slowed read: its
     TTFT is just over the budget, and the guard's windows (`Rollout.guard`) hold two such requests."""
-    from kvtier.rollout.workload import VOCAB
-
+    assert ro.sizes is not None
     rng = random.Random(ro.opts.seed)
-    count = ro.opts.host_bytes // BLOCK_NBYTES + ENGINE_BLOCKS * ENGINE_BLOCK_TOKENS // BLOCK_TOKENS + 8
+    count = ro.sizes.host_bytes // ro.sizes.block_bytes + ENGINE_BLOCKS * ENGINE_BLOCK_TOKENS // BLOCK_TOKENS + 8
     prompts = [client.Prompt([rng.randrange(3, VOCAB) for _ in range(BLOCK_TOKENS + 64)], "rollback", 2)
                for _ in range(count)]  # more than the engine's cache and the host tier hold: the disk has the rest
-    stored = ro.measure(server, f"rollback: store {count} prefixes", prompts, rate=None)
+    stored = ro.measure(server, f"rollback: store {count} prefixes", prompts)
     delay = max(0.3, budget_ms / 1e3)
     guard = ro.guard("rollback") or {}
     limit_s = max(40.0, 4 * guard.get("window_s", 5.0) + guard.get("hold_s", 0.0))
@@ -93,7 +111,7 @@ def rollback(ro: Rollout, server: Server, budget_ms: float) -> dict:
                 faults.set_read_delay(ro.root, 0)
             began, reached, i = time.monotonic(), None, 0
             while time.monotonic() - began < limit_s:
-                result = client.send(server.url, server.model or "", [prompts[i % len(prompts)]], None)[0]
+                result = client.send(server.url, server.model or "", [prompts[i % len(prompts)]])[0]
                 on = server.metrics("kvtier_tier_enabled").get(DISK_ENABLED, 1.0) == 1.0
                 timeline.append({"t": time.monotonic() - start, "phase": phase, "ttft_ms": 1e3 * result.ttft,
                                  "error": result.error, "disk_enabled": on})

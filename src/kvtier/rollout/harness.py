@@ -1,53 +1,22 @@
-"""The rollout's harness: its options, the servers it starts, the traffic it sends and the figures it reads off
-them. `kvtier.rollout.steps` runs the steps through it, `kvtier.rollout.drills` the drills; `kvtier.rollout.run`
-is the command's entry."""
+"""The rollout's harness: the servers it starts, the traffic it sends, the load of each level and the tiers of
+each step. `kvtier.rollout.steps` runs the steps through it, `kvtier.rollout.drills` the drills;
+`kvtier.rollout.run` is the command's entry."""
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.rollout import client, workload
+from kvtier.rollout import client, figures, workload
+from kvtier.rollout.options import Options, step_configs
 from kvtier.rollout.server import MAX_MODEL_LEN, Server, embedded_command, free_port, template_command
-from kvtier.timing import percentile
+from kvtier.rollout.sizes import TierSizes
 
-STEPS = ("reference", "baseline", "headroom", "host", "host+disk", "rollback")
-KV_BYTES_PER_TOKEN = 2048  # the tiny model: 4 layers x K and V x 2 KV heads x 64 x bf16
-BLOCK_TOKENS = 256  # kvtier's block
-BLOCK_NBYTES = BLOCK_TOKENS * KV_BYTES_PER_TOKEN
-KVTIER_FIGURES = ("kvtier_lookup_tokens_total", "kvtier_guard_transitions_total", "kvtier_stores_dropped_total",
-                  "kvtier_load_decisions_total", "kvtier_evictions_total")
 DRILL_WINDOW_BUDGETS = 3  # the rollback drill's guard window, in budgets: two slowed requests and a margin
-SOURCES = {"device": "engine", "host": "host", "disk": "disk", "external_unspecified": "remote", "p2p": "remote"}
-
-
-@dataclass(frozen=True)
-class Options:
-    requests: int = 24  # per level
-    levels: tuple[int, ...] = (1, 2, 4)  # concurrency; level 1 is closed loop (one request at a time)
-    max_tokens: int = 8
-    trace: Path | None = None
-    command: str | None = None  # a template (`kvtier.rollout.server`); None: the embedded tiny model
-    model: Path | None = None  # the embedded server's model, written by `kvtier tiny-model`; None: built here
-    steps: tuple[str, ...] = STEPS
-    ttft_budget_ms: float | None = None  # None: 1.5 x the baseline's worst p99
-    host_bytes: int = 24 * BLOCK_NBYTES  # deliberately tight: the disk tier has work to do
-    disk_bytes: int = 400 * (BLOCK_NBYTES + 4096)
-    seed: int = 0
-
-    def check(self) -> None:
-        unknown = [s for s in self.steps if s not in STEPS]
-        if unknown:
-            raise ValueError(f"--steps: unknown step {unknown[0]!r} (known: {', '.join(STEPS)})")
-        if self.requests <= 0 or self.max_tokens <= 0 or any(c <= 0 for c in self.levels):
-            raise ValueError("--requests, --max-tokens and every --levels value must be > 0")
-        if self.command and "{port}" not in self.command:
-            raise ValueError("--command: the template needs {port} (and {kv_transfer_config} for kvtier's steps)")
-        if self.command and "reference" in self.steps:
-            raise ValueError("--steps: 'reference' needs the embedded server (it sets the engine cache size)")
+PROBE_REQUESTS = 4  # unique prompts timed one at a time on the first server: the engine's service time
+BUSIEST = 0.9  # the busiest closed-loop level keeps an engine this busy, were every prompt recomputed
 
 
 @dataclass
@@ -57,7 +26,8 @@ class Rollout:
     progress: Any
     model: str | None = None
     report: dict = field(default_factory=dict)
-    service_s: float | None = None  # mean e2e at level 1 of the first step: open-loop rates are levels of it
+    sizes: TierSizes | None = None
+    service_s: float | None = None  # a recomputed prompt's mean end-to-end time, one at a time (`probe`)
 
     # ---------------------------------------------------------------- servers
 
@@ -71,6 +41,8 @@ class Rollout:
         server = Server(command, port, self.root / "logs" / f"{name}.log", env,
                         model=None if self.opts.command else self.model)
         self.ready(server, name)
+        if self.service_s is None:
+            self.probe(server)
         return server
 
     def ready(self, server: Server, name: str) -> float:
@@ -79,13 +51,41 @@ class Rollout:
         task = self.progress.add_task(f"{name}: starting the server", total=None)
         try:
             seconds = server.wait_ready()
-            client.send(server.url, server.model or "", [client.Prompt([7] * 300, "warm-up", 2)], None)
+            client.send(server.url, server.model or "", [client.Prompt([7] * 300, "warm-up", 2)])
             return seconds
         except BaseException:
             server.kill()
             raise
         finally:
             self.progress.remove_task(task)
+
+    def probe(self, server: Server) -> None:
+        """Measure the server's capacity before any level: unique prompts of the workload's kind, one at a time,
+        computed in full. The default think time and the open-loop rates are stated in terms of it."""
+        prompts = [p for p in self.workload(999) if not p.reused][:PROBE_REQUESTS]
+        results = client.send(server.url, server.model or "", prompts)
+        ok = [r.e2e for r in results if r.error is None]
+        if not ok:
+            raise RuntimeError(f"the server answered no probe request: {results[0].error if results else 'none'}")
+        self.service_s = sum(ok) / len(ok)
+        self.report["capacity"] = {"service_s": self.service_s, "requests_per_s": 1 / self.service_s,
+                                   "probe_requests": len(ok), "think_s": self.think_s()}
+
+    def think_s(self) -> float:
+        """Each closed-loop client's mean think time: as given, or such that the busiest level's clients, were the
+        engine one request at a time, keep it busy a BUSIEST share of the time."""
+        if self.opts.think_s is not None:
+            return self.opts.think_s
+        assert self.service_s is not None
+        return self.service_s * max(0.0, max(self.opts.levels) / BUSIEST - 1)
+
+    def loads(self) -> list[client.Load]:
+        if self.opts.rates:
+            assert self.service_s is not None
+            return [client.Load(rate=r / self.service_s) for r in self.opts.rates]
+        return [client.Load(clients=c, think_s=self.think_s()) for c in self.opts.levels]
+
+    # ---------------------------------------------------------------- tiers
 
     def guard(self, step: str) -> dict | None:
         """Windows short enough to act within a run: 5 s, or, for the rollback drill, long enough to hold two of
@@ -98,14 +98,23 @@ class Rollout:
                 "min_requests": 2, "hold_s": 6, "probe_share": 0.5}
 
     def kvtier(self, step: str) -> dict:
+        """The step's kv_connector_extra_config: `--kv-config`'s, or the sized tiers with the rollout's guard."""
+        given = step_configs(self.opts.kv_config) if self.opts.kv_config else {}
+        if step in given:
+            return given[step]
+        assert self.sizes is not None
         guard = self.guard(step)
-        host = {"cpu_bytes_to_use": self.opts.host_bytes, **({"guard": guard} if guard else {})}
+        host = {"cpu_bytes_to_use": self.sizes.host_bytes, **({"guard": guard} if guard else {})}
         if step == "host":
             return host
-        disk = {"type": "fs", "root_dir": str(self.root / step / "kv"), "max_bytes": self.opts.disk_bytes}
+        root = self.opts.disk_root / f"kvtier-{step}" if self.opts.disk_root else self.root / step / "kv"
+        disk = {"type": "fs", "root_dir": str(root), "max_bytes": self.sizes.disk_bytes}
         if step == "rollback":  # the drill is about the guard: the disk keeps what host evicts, and is read
             return {**host, "secondary_tiers": [{**disk, "admission": {"min_sightings": 1}}], "load_policy": "always"}
         return {**host, "secondary_tiers": [disk]}
+
+    def disk_root(self, step: str) -> Path:
+        return Path(self.kvtier(step)["secondary_tiers"][0]["root_dir"])
 
     # ---------------------------------------------------------------- traffic
 
@@ -115,69 +124,29 @@ class Rollout:
             return workload.from_trace(self.opts.trace, self.opts.requests, salt, self.opts.max_tokens, limit)
         return workload.builtin(self.opts.requests, self.opts.seed * 1000 + salt, self.opts.max_tokens, limit)
 
-    def measure(self, server: Server, label: str, prompts: list[client.Prompt], rate: float | None) -> dict:
+    def measure(self, server: Server, label: str, prompts: list[client.Prompt],
+                load: client.Load = client.ONE_AT_A_TIME) -> dict:
         """Send `prompts` and summarize: latency from the client, tokens by source from /metrics deltas."""
         task = self.progress.add_task(label, total=len(prompts))
         before = server.metrics()
-        results = client.send(server.url, server.model or "", prompts, rate, seed=self.opts.seed,
-                             on_done=lambda: self.progress.advance(task))
+        results = client.send(server.url, server.model or "", prompts, load, seed=self.opts.seed,
+                              on_done=lambda: self.progress.advance(task))
         time.sleep(1.0)  # the engine's last stats reach /metrics
         after = server.metrics()
         self.progress.remove_task(task)
-        return summarize(label, results, rate, delta(before, after))
+        return figures.summarize(label, results, load, figures.delta(before, after))
 
-    def levels(self, server: Server, step: str) -> list[dict]:
+    def levels(self, server: Server, step: str, count: int | None = None) -> list[dict]:
+        """Every load level (the first `count`), each with a workload of its own."""
         out = []
-        for index, level in enumerate(self.opts.levels):
-            rate = None if level == 1 else level / (self.service_s or 1.0)
-            summary = self.measure(server, f"{step}: concurrency {level}", self.workload(index + 1), rate)
-            summary["level"] = level
-            if level == 1 and self.service_s is None:
-                self.service_s = sum(r["e2e"] for r in summary["results"]) / len(summary["results"])
+        for index, load in enumerate(self.loads()[:count]):
+            name = f"{load.clients} client{'s' if load.clients > 1 else ''}" if load.closed else \
+                f"{load.rate:.2f} req/s"
+            summary = self.measure(server, f"{step}: {name}", self.workload(index + 1), load)
+            summary["level"] = load.clients if load.closed else index + 1
             out.append(summary)
         return out
 
-
-# ---------------------------------------------------------------- figures
-
-
-def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
-
-
-def quantiles(values: list[float]) -> dict[str, float]:
-    return {q: 1e3 * percentile(values, p) for q, p in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))}
-
-
-def tokens_by_source(d: dict[str, float]) -> dict[str, int]:
-    """Prompt tokens by where their KV came from, as vLLM counted them (its by-source counter)."""
-    out = {"prompt": int(d.get("vllm:prompt_tokens_total{}", 0)), "engine": 0, "host": 0, "disk": 0, "remote": 0}
-    for source, name in SOURCES.items():
-        out[name] += int(d.get(f'vllm:prompt_tokens_cached_by_source_total{{source="{source}"}}', 0))
-    out["recomputed"] = out["prompt"] - sum(out[s] for s in ("engine", "host", "disk", "remote"))
-    return out
-
-
-def summarize(label: str, results: list[client.Result], rate: float | None, d: dict[str, float]) -> dict:
-    ok = [r for r in results if r.error is None]
-    return {
-        "label": label, "rate_per_s": rate, "requests": len(results), "errors": len(results) - len(ok),
-        "first_error": next((r.error for r in results if r.error), None),
-        "ttft_ms": quantiles([r.ttft for r in ok]), "itl_ms": quantiles([t for r in ok for t in r.itl]),
-        "e2e_ms": quantiles([r.e2e for r in ok]), "tokens": tokens_by_source(d),
-        "client_cached_tokens": sum(r.cached for r in ok), "client_prompt_tokens": sum(r.prompt_tokens for r in ok),
-        "kvtier": {k: v for k, v in d.items() if k.startswith(KVTIER_FIGURES)},
-        "results": [r.as_dict() for r in results],
-    }
-
-
-def budget_from(baseline: list[dict]) -> float:
-    """The rollback rule's TTFT budget when none is given: 1.5 x the baseline's worst p99, up to 10 ms."""
-    return 10 * math.ceil(1.5 * max(level["ttft_ms"]["p99"] for level in baseline) / 10)
-
-
-def drill_budget_from(baseline: list[dict]) -> float:
-    """The rollback drill's budget when none is given: the rule applied to the baseline at the drill's own load,
-    one request at a time. Its worst level can be queueing (open-loop arrivals past a CPU server's capacity)."""
-    closed = [level for level in baseline if level["rate_per_s"] is None]
-    return budget_from(closed or baseline[:1])
+    def sent_workloads(self) -> list[list[client.Prompt]]:
+        """The workloads the levels send, in order: what the tiers are sized for."""
+        return [self.workload(index + 1) for index in range(self.opts.loads)]

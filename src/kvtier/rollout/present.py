@@ -15,43 +15,75 @@ def tables(report: dict) -> list[Any]:
     from rich.table import Table
 
     budget = report.get("budget_ms")
-    levels = Table(title=f"kvtier rollout: every step at rising concurrency; prompt tokens by source from /metrics; "
+    levels = Table(title=f"kvtier rollout: every step at rising load; prompt tokens by source from /metrics; "
                    f"TTFT budget {_ms(budget)}; exact: requests whose cached KV has the reference's lineage, identical "
                    "bit for bit", title_justify="left")
-    for col in ("step", "conc.", "TTFT ms p50/p95/p99", "ITL ms p50/p99", "e2e p99", *SOURCES, "errors",
-                "in budget", "exact"):
+    for col in ("step", "load", "busy", "queue ms", "TTFT ms p50/p95/p99 (n)", "ITL ms p50/p99", "e2e p99",
+                *SOURCES, "errors", "in budget", "exact"):
         levels.add_column(col, justify="left" if col == "step" else "right", no_wrap=True)
     for s in report["steps"]:
         for i, level in enumerate(s.get("levels", [])):
-            t, itl, tok = level["ttft_ms"], level["itl_ms"], level["tokens"]
+            t, itl, tok, load = level["ttft_ms"], level["itl_ms"], level["tokens"], level["load"]
             e = s.get("exactness") if i == 0 else None
-            levels.add_row(s["name"] if i == 0 else "", str(level["level"]),
-                           f"{t['p50']:.0f} / {t['p95']:.0f} / {t['p99']:.0f}", f"{itl['p50']:.1f} / {itl['p99']:.1f}",
-                           f"{level['e2e_ms']['p99']:.0f}", *(f"{tok[k]:,}" for k in SOURCES), str(level["errors"]),
-                           _yes(level.get("within_budget")),
+            queue = load.get("queue_ms_mean")
+            levels.add_row(s["name"] if i == 0 else "", _load(load),
+                           f"{load['busy_share']:.2f}" + (" SATURATED" if load["saturated"] else ""),
+                           "—" if queue is None else f"{queue:.0f}",
+                           f"{t['p50']:.0f} / {t['p95']:.0f} / {t['p99']:.0f} ({t['n']})",
+                           f"{itl['p50']:.1f} / {itl['p99']:.1f}", f"{level['e2e_ms']['p99']:.0f}",
+                           *(f"{tok[k]:,}" for k in SOURCES), str(level["errors"]), _yes(level.get("within_budget")),
                            "" if e is None else f"{e['identical']}/{e['compared']}" + ("" if e["exact"] else " FAILED"))
     drills = Table(title="drills (step 6: the secondary tier; step 7: the rollback rule)", title_justify="left")
-    for col in ("step", "drill", "what", "TTFT p99 ms", "errors", "outcome"):
+    for col in ("step", "drill", "what", "TTFT p99 ms (n)", "errors", "outcome"):
         drills.add_column(col)
     for s in report["steps"]:
         for d in s.get("drills", []):
-            p99 = f"{d['ttft_ms']['p99']:.0f}" if "ttft_ms" in d else "—"
+            p99 = f"{d['ttft_ms']['p99']:.0f} ({d['ttft_ms']['n']})" if "ttft_ms" in d else "—"
             errors = str(d.get("errors", sum(1 for e in d.get("timeline", []) if e["error"])))
             drills.add_row(s["name"], d["drill"], d["what"], p99, errors, d["outcome"])
-    out: list[Any] = [levels, drills]
+    out: list[Any] = [levels, drills, *_notes(report)]
+    return out
+
+
+def _notes(report: dict) -> list[str]:
+    """The capacity measured, the tiers' sizes and why, the headroom, and the findings in plain words."""
+    out = []
+    capacity, tiers = report.get("capacity"), report.get("tiers")
+    if capacity:
+        out.append(f"capacity: {capacity['service_s'] * 1e3:,.0f} ms a recomputed prompt, one at a time (mean of "
+                   f"{capacity['probe_requests']}); clients think {capacity['think_s']:.1f} s on average between "
+                   "their requests")
+    if tiers:
+        elbow = "" if tiers["elbow_bytes"] is None else f"; the workload's elbow {_mib(tiers['elbow_bytes'])}, " \
+            f"every reuse {_mib(tiers['reused_bytes'])}"
+        out.append(f"tiers: host {_mib(tiers['host_bytes'])}, disk {_mib(tiers['disk_bytes'])} "
+                   f"({tiers['reason']}{elbow})")
     for s in report["steps"]:
         if s["name"] == "headroom":
             out.append(f"host headroom: {_gib(s['mem_available_bytes'])} available of {_gib(s['mem_total_bytes'])}, "
                        f"server {_gib(s['server_rss_bytes'])}, reserve {_gib(s['reserve_bytes'])} (a tenth of the "
                        f"host) -> {_gib(s['headroom_bytes'])} left; host tier {_gib(s['host_tier_bytes'])}: "
                        + ("fits" if s["fits"] else "DOES NOT FIT"))
-        if s.get("rolled_back"):
-            out.append(f"rollback rule: '{s['name']}' broke the TTFT budget of {_ms(budget)}: roll it back")
     for name, f in report.get("findings", {}).items():
-        reused, unique = f["reused_ttft_p50_vs_baseline"], f["unique_ttft_p99_vs_baseline"]
-        out.append(f"{name}: reused prompts' TTFT p50 {_ratio(reused)} of the baseline's, unique prompts' p99 "
-                   f"{_ratio(unique)} (concurrency 1)")
+        out.append(finding(name, f))
     return out
+
+
+def finding(name: str, f: dict) -> str:
+    """One step's conclusion in plain words."""
+    ref = f["reference_reused_ttft_p50_ms"]
+    words = (f"{name}: reused prompts' TTFT p50 went from {f['baseline_reused_ttft_p50_ms']:,.0f} ms to "
+             f"{f['reused_ttft_p50_ms']:,.0f} ms (n={f['reused_n']})")
+    if ref is not None and f["gap_closed"] is not None:
+        words += f" (a bigger GPU gives {ref:,.0f} ms): this step closed {100 * f['gap_closed']:.0f}% of the gap"
+    unique = "; ".join(f"{u['unique_p99_ms']:,.0f} ms vs {u['baseline_unique_p99_ms']:,.0f} ms at {u['level']} "
+                       f"(n={u['n']}, {_ratio(u['vs_baseline'])})" for u in f["unique"])
+    words += f". Unique prompts' p99 TTFT against the baseline's: {unique}."
+    if f["rolled_back"] is not None:
+        budget = _ms(f["budget_ms"])
+        words += (f" The rollback rule fired: a level it carried broke the {budget} budget: roll it back."
+                  if f["rolled_back"] else f" The rollback rule held: every level it carried within {budget}.")
+    return words
 
 
 def write_html(report: dict, path: Path) -> None:
@@ -66,7 +98,7 @@ def write_html(report: dict, path: Path) -> None:
     for s in served:
         values = sorted(1e3 * r["ttft"] for r in s["levels"][0]["results"] if r["error"] is None)
         ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=s["name"])
-    _finish(ax, "TTFT (ms)", "fraction of requests", "TTFT by step (concurrency 1)", log=True)
+    _finish(ax, "TTFT (ms)", "fraction of requests", "TTFT by step (first level)", log=True)
     figures.append(_png(fig))
     fig, ax = plt.subplots(figsize=(7, 4))
     for s in served:
@@ -74,7 +106,7 @@ def write_html(report: dict, path: Path) -> None:
                 label=s["name"])
     if report.get("budget_ms"):
         ax.axhline(report["budget_ms"], color="red", linestyle="--", label="budget")
-    _finish(ax, "concurrency", "TTFT p99 (ms)", "p99 TTFT against concurrency")
+    _finish(ax, "level (closed-loop clients)", "TTFT p99 (ms)", "p99 TTFT against load")
     figures.append(_png(fig))
     fig, ax = plt.subplots(figsize=(7, 4))
     bottom = [0.0] * len(served)
@@ -137,6 +169,16 @@ def _ms(value: float | None) -> str:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:,.2f} GiB"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def _load(load: dict) -> str:
+    if load["clients"] is not None:
+        return f"{load['clients']} client{'s' if load['clients'] > 1 else ''}"
+    return f"{load['rate_per_s']:.2f} req/s"
 
 
 def _ratio(value: float | None) -> str:

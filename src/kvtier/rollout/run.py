@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.rollout import steps
-from kvtier.rollout.harness import Options, Rollout
+from kvtier.rollout.harness import Rollout
+from kvtier.rollout.options import Options
 
 
 def run(opts: Options, console: Any = None) -> dict:
