@@ -48,7 +48,8 @@ class SchedulerSide:
         self.geo = geometry
         self.directory = Directory(tier_specs(config, geometry.block_nbytes, geometry.world_size),
                                    shared=shared_spec(config, geometry.block_nbytes), stage_loads=False)
-        self.events = KVEvents(geometry.engine_block_size, self.directory.kind) if kv_events else None
+        self.events = KVEvents(geometry.engine_block_size, self.directory.kind,
+                               self.directory.__contains__) if kv_events else None
         if self.events is not None:  # before recovery: what the disk had is not announced (its tokens are unknown)
             self.directory.on_change = self.events.changed
         self.control = SchedulerControl(config, self.directory, geometry.block_nbytes)
