@@ -5,7 +5,10 @@ files and a real redis-server."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import mmap
+import time
 from dataclasses import dataclass
 
 from kvtier.config import parse_config
@@ -47,5 +50,88 @@ def test_kv_events_keep_no_payload_of_a_block_whose_store_was_refused():
         assert [key for key in events.payloads if key not in directory] == []
         assert len(events.payloads) <= len(directory)
         assert events.take(), "blocks were stored and announced"
+    finally:
+        engine.close()
+
+
+def admit(engine: Engine, request: Request) -> None:
+    """As vLLM does: the request waits (steps go on) until its lookup has an answer and it gets its blocks."""
+    for _ in range(500):
+        if engine.admit(request):
+            return
+        engine.step()
+        time.sleep(0.005)
+    raise AssertionError(f"{request.request_id} was never admitted")
+
+
+def nothing_left_behind(engine: Engine) -> None:
+    """Every load was reported by every worker: no plan pending, no block pinned, no byte left queued."""
+    for _ in range(20):
+        engine.step()
+    scheduler = engine.scheduler
+    assert not scheduler.has_pending_work()
+    assert scheduler.directory.pinned() == []
+    assert all(n == 0 for n in scheduler.control.decider.queued.values()), dict(scheduler.control.decider.queued)
+
+
+def test_a_shared_fetch_that_gets_no_buffer_reports_its_steps(redis_server, monkeypatch):
+    """The shared fetch reads a batch into a buffer of its thread's own (an mmap of up to 32 MiB). When that
+    mapping fails (ENOMEM), the batch's blocks are lost to the load, as any failed read: reported, so that the
+    host blocks the load pinned and the bytes the decision counted as queued come back. Before, the error left
+    the per-batch `try`: the worker reported the request, but none of its fetch's steps, for good."""
+    config = parse_config({"cpu_bytes_to_use": 8 * 4096, "block_size": 16, "engine_block_size": 16,
+                           "secondary_tiers": [{"type": "redis", "url": redis_server.url, "max_bytes": 1 << 26}]})
+    a, b = Engine(config), Engine(config)
+    try:
+        document = [h("doc", i) for i in range(6)]
+        first = Request("a", document)
+        admit(a, first)
+        a.run(first)
+        a.drain()
+        time.sleep(0.2)  # the write-through to Redis runs after the host stores
+        a.drain()
+        warm = Request("b0", document[:2])
+        admit(b, warm)
+        b.run(warm)
+        b.drain()  # b holds the first 2 blocks in host (fetched from Redis); Redis has all 6
+
+        def no_memory(*args: object, **kwargs: object) -> mmap.mmap:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+        second = Request("b1", document)
+        admit(b, second)  # 2 from host, 4 fetched from Redis straight into the engine's blocks: a larger buffer
+        with monkeypatch.context() as patch:
+            patch.setattr(mmap, "mmap", no_memory)
+            b.run(second)
+        assert second.promised == 6 * 16
+        nothing_left_behind(b)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_load_the_mover_cannot_start_reports_every_step_failed(tmp_path):
+    """Whatever raises in a load (here the mover's read pool refuses work, as once it was shut down), every step
+    of its plan is reported: failed, so that vLLM recomputes the blocks and the scheduler unpins them. Before,
+    only the request was reported, and its plan stayed pending."""
+    config = parse_config({"cpu_bytes_to_use": 2 * 4096, "block_size": 16, "engine_block_size": 16,
+                           "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 64 * 8192,
+                                                "admission": {"min_sightings": 1}}]})
+    engine = Engine(config)
+    try:
+        document = [h("doc", i) for i in range(2)]
+        for n, blocks in enumerate([document] + [[h("other", n, i) for i in range(2)] for n in range(3)]):
+            turn = Request(f"a{n}", blocks)  # the others push the document out of host, down to disk
+            admit(engine, turn)
+            engine.run(turn)
+            engine.drain()
+        engine.workers[0].mover._reads.shutdown()  # loads from disk run on this pool
+        second = Request("b", document)
+        admit(engine, second)
+        assert second.is_async and second.promised == 2 * 16  # disk hits
+        loaded = engine.loaded
+        engine.run(second)
+        assert engine.loaded == loaded and engine.wrong == 0  # its blocks were reported failed: vLLM recomputes them
+        nothing_left_behind(engine)
     finally:
         engine.close()

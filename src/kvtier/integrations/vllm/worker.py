@@ -127,12 +127,16 @@ class WorkerSide:
     def _run_load(self, job: LoadJob, ready: Any) -> None:
         assert self.mover is not None
         started = time.perf_counter()
+        handed = False  # to the mover, which reports every step of a plan it took, whatever raises
         try:
             assert self.pages is not None
             out = self.pages.blocks(job.targets)
+            handed = True
             delivered = self.mover.load(Plan(chains=job.chains), out, ready) if job.chains else []
         except Exception:  # nothing may stay unreported: vLLM would wait for this request forever
             log.exception("kvtier: a load for request %s failed", job.request_id)
+            if not handed:  # nor the scheduler for its steps (pins, queued bytes)
+                self._report([step for chain in job.chains for step in chain], Status.FAILED)
             delivered = [False] * len(job.targets)
         failed = {b for t, ok in zip(job.targets, delivered) if not ok for b in t if b is not None}
         # what the decision learns tiers' speeds from: the blocks each tier delivered, and how long it took
