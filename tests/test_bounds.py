@@ -135,3 +135,67 @@ def test_a_load_the_mover_cannot_start_reports_every_step_failed(tmp_path):
         nothing_left_behind(engine)
     finally:
         engine.close()
+
+
+def block_files(root) -> int:
+    return sum(1 for path in root.rglob("*.kv"))
+
+
+def test_a_graceful_stop_flushes_host_within_the_disk_tier_bound_and_a_restart_serves_it(tmp_path):
+    """A graceful stop writes the host tier's blocks to the first disk tier. The directory that bounds that tier is
+    gone by then, so the worker bounds the flush by what its disk store tells: its files and the tier's capacity.
+    The host blocks (used last) take the place of the oldest files, never of a file a flushed block needs as its
+    parent, so that a restart adopts every file and serves the document whole. Before, the flush wrote every host
+    block no file held, past the bound (8x max_bytes after one stop in the issue's script)."""
+    root = tmp_path / "kv"
+    config = parse_config({"cpu_bytes_to_use": 4 * 4096, "block_size": 16, "engine_block_size": 16,
+                           "secondary_tiers": [{"type": "fs", "root_dir": str(root), "max_bytes": 6 * 8192,
+                                                "admission": {"min_sightings": 1}}]})
+    document = [h("doc", i) for i in range(4)]
+    engine = Engine(config)
+    try:  # the document's first half goes down to disk with older blocks; its second half stays in host
+        turns = [document[:2]] + [[h("other", n, i) for i in range(2)] for n in range(3)] + [document]
+        for n, blocks in enumerate(turns):
+            turn = Request(f"t{n}", blocks)
+            admit(engine, turn)
+            engine.run(turn)
+            engine.drain()
+        assert block_files(root) == 6, "the disk tier is full of older blocks"
+    finally:
+        engine.close()  # the graceful stop: the worker's flush
+    assert block_files(root) == 6  # within max_bytes; before: 8
+
+    again = Engine(config)
+    try:
+        assert again.scheduler.directory.tier["disk"].used_blocks == 6  # every file adopted: no orphan among them
+        whole = Request("whole", document)
+        admit(again, whole)
+        assert whole.promised == 4 * 16  # the document, from disk: its first half was kept for its second
+        again.run(whole)
+        assert again.loaded == 4 and again.wrong == 0
+    finally:
+        again.close()
+
+
+def test_a_host_tier_larger_than_the_disk_tier_flushes_only_what_the_disk_tier_holds(tmp_path):
+    """The issue's case: 32 host blocks, a disk tier of 4. The stop writes 4 (parents before their children), and
+    a restart adopts all 4: no orphan to delete, nothing past the bound to trim. Before: 32 files, 8x max_bytes."""
+    root = tmp_path / "kv"
+    config = parse_config({"cpu_bytes_to_use": 32 * 4096, "block_size": 16, "engine_block_size": 16,
+                           "secondary_tiers": [{"type": "fs", "root_dir": str(root), "max_bytes": 4 * 8192}]})
+    engine = Engine(config)
+    try:
+        for n in range(16):
+            r = Request(f"r{n}", [h(n, 0), h(n, 0, 1)])
+            admit(engine, r)
+            engine.run(r)
+        engine.drain()
+        assert block_files(root) == 0
+    finally:
+        engine.close()
+    assert block_files(root) == 4
+    again = Engine(config)
+    try:
+        assert again.scheduler.directory.tier["disk"].used_blocks == 4
+    finally:
+        again.close()

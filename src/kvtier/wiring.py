@@ -48,7 +48,7 @@ def disk_stores(config: KVTierConfig, payload_nbytes: int, namespace: str, rank:
     try:
         for name, tier in local_tiers(config):
             stores[name] = DiskStore(tier.root_dir, namespace, rank, payload_nbytes, o_direct=tier.o_direct,
-                                     owner=owner, auth_key=config.auth_key())
+                                     owner=owner, auth_key=config.auth_key(), max_bytes=tier.max_bytes)
     except BaseException:  # a root another engine holds: give back what was claimed
         for store in stores.values():
             store.close()

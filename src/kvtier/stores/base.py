@@ -109,6 +109,11 @@ class ObjectStore(Protocol):
 class LocalStore(ObjectStore, Protocol):
     """DISK: an ObjectStore whose blocks outlive the process, found again by a restart scan."""
 
+    @property
+    def capacity_blocks(self) -> int | None:
+        """How many blocks the tier's bound allows this store (None: none given)."""
+        ...
+
     def holds(self, key: bytes) -> bool: ...
 
     def scan(self) -> tuple[list[RecoveredBlock], dict[str, int]]:

@@ -39,17 +39,19 @@ class DiskStore:
 
     def __init__(
         self, root_dir: str | Path, namespace: str, rank: int, payload_nbytes: int, o_direct: bool = True,
-        owner: str | None = None, auth_key: bytes | None = None,
+        owner: str | None = None, auth_key: bytes | None = None, max_bytes: int | None = None,
     ) -> None:
         """`owner`: the engine this store works for; given, the store claims `root_dir` for it (one engine per
         root: `kvtier.stores.claim`) until `close`. `auth_key`: blocks are signed with it, and served only if
-        signed with it (`blockformat.mac_of`)."""
+        signed with it (`blockformat.mac_of`). `max_bytes`: the tier's bound on this rank's files, which the
+        directory keeps; the store only tells it (`capacity_blocks`) to whoever writes without the directory."""
         if not re.fullmatch(r"[0-9a-f]{32}", namespace):
             raise ValueError(f"namespace must be 32 lowercase hex chars (Namespace.digest()), got {namespace!r}")
         if rank < 0 or payload_nbytes <= 0:
             raise ValueError(f"need rank >= 0 and payload_nbytes > 0, got {rank}, {payload_nbytes}")
         self.root = Path(root_dir).resolve()  # resolved once; nothing below it is followed
         self.namespace, self.rank, self.payload_nbytes = namespace, rank, payload_nbytes
+        self.max_bytes = max_bytes
         self._auth = auth_key
         self._ns = bytes.fromhex(namespace)
         self.padded_nbytes = round_up(payload_nbytes)
@@ -71,6 +73,11 @@ class DiskStore:
     def footprint(self) -> int:
         """Bytes one block occupies on disk: header + payload padded to 4096 (what the directory counts)."""
         return disk_footprint(self.payload_nbytes)
+
+    @property
+    def capacity_blocks(self) -> int | None:
+        """How many block files `max_bytes` allows (None: no bound given)."""
+        return None if self.max_bytes is None else self.max_bytes // self.footprint
 
     def close(self) -> None:
         """Release the directory fd and the claim; the files stay for the next start's scan()."""
