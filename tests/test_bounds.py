@@ -11,8 +11,12 @@ import mmap
 import time
 from dataclasses import dataclass
 
+import torch
+
+from kvtier.cache import TieredCache
 from kvtier.config import parse_config
 from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.keys import chain_keys
 from tests.connector_harness import TOKENS, Engine, Request, geometry, loading_all
 
 
@@ -199,3 +203,27 @@ def test_a_host_tier_larger_than_the_disk_tier_flushes_only_what_the_disk_tier_h
         assert again.scheduler.directory.tier["disk"].used_blocks == 4
     finally:
         again.close()
+
+
+def test_a_namespace_change_removes_the_old_namespaces_blocks(tmp_path):
+    """Each namespace (here: three versions of a model's weights) has a folder of its own under root_dir. A start
+    removes the folders of other namespaces, which this engine cannot read and no bound counts (one engine per
+    root_dir), so the tier holds at most max_bytes of files whatever was served before. Before, every version
+    left its folder for good: 3 versions, 3x max_bytes. Anything else under root_dir is left alone."""
+    root = tmp_path / "kv"
+    config = parse_config({"cpu_bytes_to_use": 8 * 4096, "block_size": 16, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(root), "max_bytes": 16 * 8192, "write_policy": "write_through",
+         "admission": {"min_sightings": 1}}]})
+    (root / "notes").mkdir(parents=True)
+    (root / "notes" / "keep.kv").write_bytes(b"not ours")
+    (root / ("ab" * 16)).symlink_to(root / "notes")  # a link named like a namespace: not followed
+    for version in ("v1", "v2", "v3"):
+        with TieredCache(config, (2, 16, 64), torch.float16, model=f"my-model-{version}") as cache:
+            for p in range(40):
+                keys = chain_keys(list(range(p * 1000, p * 1000 + 16)), 16)
+                cache.store(keys, [torch.full((2, 16, 64), float(p), dtype=torch.float16)])
+                cache.flush()
+            namespaces = [d for d in root.iterdir() if len(d.name) == 32 and not d.is_symlink()]
+            assert [d.name for d in namespaces] == [cache.namespace.digest()]
+            assert sum(1 for _ in root.rglob("*.kv")) == 16 + 1  # this version's tier, full; and the user's file
+    assert (root / "notes" / "keep.kv").read_bytes() == b"not ours" and (root / ("ab" * 16)).is_symlink()

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import mmap
 import os
 import re
 import secrets
+import shutil
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 import xxhash
@@ -34,6 +36,7 @@ from kvtier.stores.claim import claim, release
 from kvtier.stores.files import DIR, DIRECT, RD, WR, file_name, open_private_dir, subdir, transfer
 
 HEADER_NBYTES = DISK_HEADER_NBYTES  # blockformat's header, zero-padded to the O_DIRECT alignment
+log = logging.getLogger(__name__)
 class DiskStore:
     """Blocks of one namespace and rank as files under `root_dir`; safe to drive from many threads."""
 
@@ -351,6 +354,31 @@ class DiskStore:
             out.append(RecoveredBlock(key=header.key, parent=header.parent, mtime_ns=st.st_mtime_ns))
             return None
         return "foreign" if status is ReadStatus.FOREIGN else "corrupt"
+
+    def remove_other_namespaces(self, keep: Collection[str]) -> list[str]:
+        """Remove the folders of namespaces other than `keep` under the root; the names of those removed.
+
+        The root is one engine's (`kvtier.stores.claim`), so no one else reads them, and this engine never will:
+        a namespace changes with the weights, dtype, layout, world size, salt or signing key. Left there, they
+        would lie outside any bound, one tier's worth per change. Only folders named like a namespace go; links
+        are removed, never followed. Run it at startup, while this store holds the root's claim."""
+        if self._dir_fd is None:
+            raise ValueError("DiskStore is closed")
+        removed: list[str] = []
+        root_fd = os.open(self.root, DIR)
+        try:
+            with os.scandir(root_fd) as it:
+                found = [e.name for e in it if re.fullmatch(r"[0-9a-f]{32}", e.name) and e.name not in keep
+                         and e.is_dir(follow_symlinks=False)]
+            for name in found:
+                try:
+                    shutil.rmtree(name, dir_fd=root_fd)  # fd-based: a link inside is unlinked, never followed
+                    removed.append(name)
+                except OSError as exc:
+                    log.warning("kvtier: could not remove the old namespace folder %s: %s", self.root / name, exc)
+        finally:
+            os.close(root_fd)
+        return removed
 
     def used_bytes(self) -> int:
         """Our block and temp files x footprint: what the directory's capacity accounting should see."""
