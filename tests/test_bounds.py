@@ -11,6 +11,7 @@ import mmap
 import time
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from kvtier.cache import TieredCache
@@ -227,3 +228,29 @@ def test_a_namespace_change_removes_the_old_namespaces_blocks(tmp_path):
             assert [d.name for d in namespaces] == [cache.namespace.digest()]
             assert sum(1 for _ in root.rglob("*.kv")) == 16 + 1  # this version's tier, full; and the user's file
     assert (root / "notes" / "keep.kv").read_bytes() == b"not ours" and (root / ("ab" * 16)).is_symlink()
+
+
+def test_a_disk_tier_with_a_rank_on_another_machine_is_refused_at_startup(tmp_path):
+    """The restart scan runs in the scheduler's process, on its file system. A rank whose worker runs on another
+    machine keeps its files out of that scan's sight: before, they were never adopted nor bounded, and rank 0's
+    blocks were deleted for lacking that rank's shard, silently. Now each worker's store holds its rank's folder,
+    and a start where a rank's folder is held by no process here is refused, naming the field and the ranks."""
+    from kvtier.config import ConfigError
+    from kvtier.integrations.vllm.worker import WorkerSide
+    from kvtier.stores.disk import DiskStore
+
+    root = tmp_path / "kv"
+    config = parse_config({"cpu_bytes_to_use": 8 * 4096, "block_size": 16, "engine_block_size": 16,
+                           "secondary_tiers": [{"type": "fs", "root_dir": str(root), "max_bytes": 8 * 8192}]})
+    geo = geometry(2)
+    previous = DiskStore(root, geo.namespace(0), 0, 4096)  # what rank 0 wrote in an earlier run
+    previous.write(h("kept"), None, bytes(4096))
+    previous.close()
+    worker = WorkerSide(config, geo, 0)  # rank 0's worker runs here; rank 1's on another node
+    worker.register_kv_caches({"layer0": torch.zeros(8, 4096, dtype=torch.uint8)}, 8)
+    try:
+        with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.root_dir.*rank\(s\) \[1\]"):
+            SchedulerSide(loading_all(config), geo)
+    finally:
+        worker.shutdown()
+    assert sum(1 for _ in root.rglob("*.kv")) == 1  # rank 0's block was not deleted as incomplete

@@ -32,11 +32,21 @@ from kvtier.stores import blockformat
 from kvtier.stores.base import ReadStatus, RecoveredBlock
 from kvtier.stores.blockformat import Header, check_key, parse_header
 from kvtier.stores.buffers import Buffer, aligned, byte_view
-from kvtier.stores.claim import claim, release
+from kvtier.stores.claim import RANK_LOCK, claim, hold_rank, rank_served, release
 from kvtier.stores.files import DIR, DIRECT, RD, WR, file_name, open_private_dir, subdir, transfer
 
 HEADER_NBYTES = DISK_HEADER_NBYTES  # blockformat's header, zero-padded to the O_DIRECT alignment
 log = logging.getLogger(__name__)
+def rank_visible(root_dir: str | Path, namespace: str, rank: int) -> bool:
+    """Whether a store of this rank is open on this file system (`kvtier.stores.claim.rank_served`): false
+    when the rank's worker runs on another machine, whose files this process cannot see."""
+    fd = open_private_dir(Path(root_dir).resolve(), (namespace, str(rank)))
+    try:
+        return rank_served(fd)
+    finally:
+        os.close(fd)
+
+
 class DiskStore:
     """Blocks of one namespace and rank as files under `root_dir`; safe to drive from many threads."""
 
@@ -65,9 +75,16 @@ class DiskStore:
         self._owner = owner
         if owner is not None:
             claim(self.root, owner)  # before touching anything below the root
+        self._dir_fd: int | None = None
+        self._rank_fd: int | None = None  # the shared lock that tells this rank is served here (claim.hold_rank)
         try:
-            self._dir_fd: int | None = open_private_dir(self.root, (namespace, str(rank)))
+            self._dir_fd = open_private_dir(self.root, (namespace, str(rank)))
+            if owner is not None:
+                self._rank_fd = hold_rank(self._dir_fd)
         except BaseException:
+            if self._dir_fd is not None:
+                os.close(self._dir_fd)
+                self._dir_fd = None
             if owner is not None:
                 release(self.root, owner)
             raise
@@ -87,6 +104,8 @@ class DiskStore:
         fd, self._dir_fd = self._dir_fd, None
         if fd is not None:
             os.close(fd)
+            if self._rank_fd is not None:
+                os.close(self._rank_fd)
             if self._owner is not None:
                 release(self.root, self._owner)
 
@@ -324,7 +343,7 @@ class DiskStore:
         removed = {"temp": 0, "symlink": 0, "corrupt": 0, "foreign": 0}
         blocks: list[RecoveredBlock] = []
         for sub_name, sub, name, st in self._entries():
-            if stat.S_ISDIR(st.st_mode):
+            if stat.S_ISDIR(st.st_mode) or (sub_name is None and name == RANK_LOCK and stat.S_ISREG(st.st_mode)):
                 continue
             if stat.S_ISLNK(st.st_mode):
                 reason: str | None = "symlink"
