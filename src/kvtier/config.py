@@ -111,6 +111,8 @@ class RedisTierConfig(_Strict):
     breaker_failures: PositiveInt = 3  # consecutive failures that open the circuit breaker
     breaker_cooldown_s: PositiveFloat = 2.0  # open this long, then one probe call
     oom_cap_s: PositiveFloat = 600.0  # how long a bound that a Redis refusing a put for memory set holds
+    lookup_deadline_s: PositiveFloat = 0.1  # vLLM: a request waits this long for its lookup, then goes on without
+    lookup_queue_depth: PositiveInt = 64  # vLLM: lookups in flight at most; a request past it goes on without
     n_read_threads: PositiveInt = 8
     n_write_threads: PositiveInt = 4
     write_policy: Literal["write_back", "write_through"] = "write_back"

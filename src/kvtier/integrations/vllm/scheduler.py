@@ -54,9 +54,9 @@ class SchedulerSide:
             self.directory.on_change = self.events.changed
         self.control = SchedulerControl(config, self.directory, geometry.block_nbytes)
         shared_store = lookup_client(config, geometry)
-        self.lookup = Lookup(self.directory, self.control, geometry, shared_store)
+        self.lookup = Lookup(self.directory, self.control, geometry, shared_store, config)
         self.inflight = InFlight(self.directory, geometry.world_size, geometry.block_nbytes)
-        self.stats = SchedulerStats(self.directory, geometry, self.control, shared_store)
+        self.stats = SchedulerStats(self.directory, geometry, self.control, shared_store, self.lookup.skipped)
         self._requests: dict[str, RequestState] = {}
         self._settling: set[str] = set()  # synchronous loads with no step: vLLM has their result after this step
         self._loads: list[LoadJob] = []

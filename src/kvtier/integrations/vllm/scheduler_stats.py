@@ -18,8 +18,9 @@ ORPHAN_AUDIT_S = 1.0  # the orphan count walks every block: at most once a secon
 
 class SchedulerStats:
     def __init__(self, directory: Directory, geometry: Geometry, control: SchedulerControl,
-                 shared_store: SharedStore | None) -> None:
+                 shared_store: SharedStore | None, lookups_skipped: Counter | None = None) -> None:
         self.directory = directory
+        self.lookups_skipped = lookups_skipped if lookups_skipped is not None else Counter()  # reason -> requests
         self.geo = geometry
         self.control = control
         self.shared_store = shared_store
@@ -42,6 +43,7 @@ class SchedulerStats:
                 "stores_dropped": self._deltas.take("stores_dropped", d.stats.stores_dropped + self.dropped),
                 "failed_deletes": self._deltas.take("failed_deletes", d.stats.failed_deletes),
                 "load_shortfall_tokens": self._deltas.take("load_shortfall_tokens", self.shortfall),
+                "shared_lookups_skipped": self._deltas.take("shared_lookups_skipped", self.lookups_skipped),
             },
             "gauges": {
                 "tier_used_bytes": {name: u.used_bytes for name, u in usage.items()},
