@@ -75,11 +75,11 @@ class Engine:
         """`lagging`: the share of steps in which a rank (not rank 0) reports before its background work is done,
         so that ranks report one step's work in different steps, as they do in a busy engine."""
         geo = geometry(world_size)
-        self.scheduler = SchedulerSide(loading_all(config), geo)
         self.workers = [WorkerSide(config, geo, rank) for rank in range(world_size)]
         self.kv = [torch.zeros(num_blocks, P, dtype=torch.uint8) for _ in self.workers]
-        for worker, kv in zip(self.workers, self.kv):
+        for worker, kv in zip(self.workers, self.kv):  # before the scheduler half, as vLLM does
             worker.register_kv_caches({"layer0": kv}, num_blocks)
+        self.scheduler = SchedulerSide(loading_all(config), geo)
         self.free = list(range(num_blocks))
         self.held: dict[str, Request] = {}  # finished requests whose blocks wait for their stores
         self.recving: dict[str, int] = {}  # request id -> ranks that reported its asynchronous load

@@ -49,7 +49,8 @@ def payloads(n: int, seed: int = 0) -> list[torch.Tensor]:
 def make_store(server: RedisServer, namespace: str = NS, blocks: int = 64, **kw) -> RedisStore:
     kw.setdefault("breaker", CircuitBreaker(failure_threshold=2, cooldown_s=0.2))
     value = blockformat.HEADER_NBYTES + PAYLOAD
-    return RedisStore(server.url, namespace, PAYLOAD, blocks * value, socket_timeout_s=0.3, connect_timeout_s=0.3, **kw)
+    kw.setdefault("socket_timeout_s", 0.3)
+    return RedisStore(server.url, namespace, PAYLOAD, blocks * value, connect_timeout_s=0.3, **kw)
 
 
 def value_key(namespace: str, key: bytes) -> bytes:
@@ -313,6 +314,46 @@ def test_a_redis_smaller_than_max_bytes_refuses_one_put_then_the_tier_fits_itsel
         assert store.delete_many(chains[-1][:1]) == 8  # deleting still works
     finally:
         server.stop()
+
+
+def test_puts_refused_together_lower_the_cap_once(redis_server):
+    """Several writers (mover threads, ranks, engines) whose puts Redis refuses for memory at the same moment were
+    refused for one shortage: the tier's cap goes down by one put, as for a single refusal. Before, each refusal
+    reclaimed after the one before it (cap = used - put, then evict to cap - put), so k refusals lowered the cap by
+    2k-1 puts and evicted 2k puts, for oom_cap_s, for every engine: 8 writers took a 48-block tier to 1 block."""
+    writers = 8
+    stores = [make_store(redis_server, blocks=200, socket_timeout_s=5.0) for _ in range(writers)]
+    client = redis_server.client()
+    data = payloads(8)
+    for i in range(6):
+        assert stores[0].put_many(items_of(chain(8, f"fill{i}"), data)) == [PutStatus.STORED] * 8
+    used = int(client.get(stores[0].key_prefix + "!used"))
+    assert all(s.used_bytes() == used for s in stores)  # every writer connected (a connection's setup waits for Redis)
+    client.config_set("maxmemory", str(int(client.info("memory")["used_memory"]) + 4096))  # full: no put fits
+    redis_server.pause()  # every writer's put is sent before Redis reads any of them, as in a burst
+    try:
+        results: list[list[PutStatus]] = []
+        puts = [items_of(chain(8, f"burst{n}"), data) for n in range(writers)]
+        threads = [threading.Thread(target=lambda s=s, p=p: results.append(s.put_many(p)))
+                   for s, p in zip(stores, puts)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+    finally:
+        redis_server.resume()
+    for t in threads:
+        t.join()
+    put = 8 * stores[0].value_nbytes
+    refused = sum(r == [PutStatus.FAILED] * 8 for r in results)
+    assert refused >= 2, "several puts were refused together (the fault is there)"
+    assert sum(s.stats().get("oom_reclaims", 0) for s in stores) == 1
+    assert int(client.get(stores[0].key_prefix + "!cap")) == used - put  # 41 blocks of 48; before: 1
+    assert int(client.get(stores[0].key_prefix + "!used")) == used - 2 * put
+    client.config_set("maxmemory", "0")
+    assert stores[0].put_many(items_of(chain(8, "after"), data)) == [PutStatus.STORED] * 8
+    check_invariants(client, stores[0])
+    for s in stores:
+        s.close()
 
 
 def test_the_cap_a_full_redis_set_expires_so_the_tier_uses_memory_added_later(tmp_path, redis_server):

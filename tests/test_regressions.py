@@ -54,10 +54,11 @@ class Engine:
     """The connector's two halves wired in-process (world size 1), stepped in vLLM's order."""
 
     def __init__(self, config, num_blocks: int = 32) -> None:
-        self.scheduler = SchedulerSide(loading_all(config), geometry())
-        self.worker = WorkerSide(config, geometry(), 0)
+        geo = geometry()  # one engine: its halves know one engine id
+        self.worker = WorkerSide(config, geo, 0)
         self.kv = torch.zeros(num_blocks, P, dtype=torch.uint8)
-        self.worker.register_kv_caches({"layer0": self.kv}, num_blocks)
+        self.worker.register_kv_caches({"layer0": self.kv}, num_blocks)  # before the scheduler half, as in vLLM
+        self.scheduler = SchedulerSide(loading_all(config), geo)
 
     def step(self) -> tuple[set[str] | None, set[str] | None]:
         meta = self.scheduler.build_connector_meta(STEP)
@@ -266,7 +267,12 @@ def test_a_restart_with_tensor_parallelism_recovers_and_bounds_every_rank(tmp_pa
     def files(rank: int) -> set[str]:
         return {p.name for p in (tmp_path / geo.namespace(rank)).rglob("*") if p.is_file() and p.name != ".lock"}
 
-    s = SchedulerSide(loading_all(config), geo)
+    workers = [DiskStore(tmp_path, geo.namespace(rank), rank, P, owner=geo.owner) for rank in (0, 1)]  # as vLLM's
+    try:
+        s = SchedulerSide(loading_all(config), geo)
+    finally:
+        for store in workers:
+            store.close()
     assert s.directory.tier["disk"].used_blocks == 2 == len(files(0)) == len(files(1))
     assert files(0) == files(1), "the ranks hold the same blocks"
     assert not any(name.endswith(".tmp") for name in files(1))
@@ -473,10 +479,12 @@ def test_a_cache_with_a_persistent_tier_must_name_its_model(tmp_path):
         TieredCache(config, SHAPE, DT)
     with TieredCache(config, SHAPE, DT, model="weights A") as a:
         a.store([b"k"], [torch.ones(SHAPE, dtype=DT)])
+    with TieredCache(config, SHAPE, DT, model="weights A") as a:
+        assert a.lookup([b"k"]) == 1  # a restart of the same model finds it
     with TieredCache(config, SHAPE, DT, model="weights B") as b:
         assert b.lookup([b"k"]) == 0
-    with TieredCache(config, SHAPE, DT, model="weights A") as a:
-        assert a.lookup([b"k"]) == 1
+    with TieredCache(config, SHAPE, DT, model="weights A") as a:  # B removed A's namespace (tests/test_bounds.py)
+        assert a.lookup([b"k"]) == 0
 
 
 def test_the_vllm_stats_path_carries_the_shared_tiers_bytes_and_its_lowered_bound(redis_server):

@@ -119,6 +119,8 @@ class RedisTierConfig(_Strict):
     breaker_failures: PositiveInt = 3  # consecutive failures that open the circuit breaker
     breaker_cooldown_s: float = Field(2.0, gt=0, le=MAX_TIMEOUT_S)  # open this long, then one probe call
     oom_cap_s: float = Field(600.0, gt=0, le=MAX_CAP_S)  # how long a bound set by a put Redis refused for memory holds
+    lookup_deadline_s: float = Field(0.1, gt=0, le=MAX_TIMEOUT_S)  # vLLM: a request waits this long for its lookup
+    lookup_queue_depth: PositiveInt = 64  # vLLM: lookups in flight at most; past it a request goes on at once
     n_read_threads: PositiveInt = 8
     n_write_threads: PositiveInt = 4
     write_policy: Literal["write_back", "write_through"] = "write_back"

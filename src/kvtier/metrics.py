@@ -59,6 +59,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "prefixes (a tier, engine or recompute)", ("tier", "signal")),
     Family("load_shortfall_tokens", "counter", "Prompt tokens promised to vLLM as a shared tier's hit that the load "
            "could not take (a transfer of this engine's own was on the block): vLLM recomputes them", ("tier",)),
+    Family("shared_lookups_skipped", "counter", "Requests that went on without the shared tier's answer to their "
+           "lookup: it passed lookup_deadline_s, or lookup_queue_depth lookups were in flight", ("reason",)),
     Family("load_decisions", "counter", "Requests whose blocks found were all loaded, partly, or recomputed, by "
            "their slowest tier", ("tier", "decision")),
     Family("shared_tier_authenticated", "gauge", "1 when a shared tier serves only blocks signed with the secret of "

@@ -51,7 +51,7 @@ def disk_stores(config: KVTierConfig, payload_nbytes: int, namespace: str, rank:
     try:
         for name, tier in local_tiers(config):
             stores[name] = DiskStore(tier.root_dir, namespace, rank, payload_nbytes, o_direct=tier.o_direct,
-                                     owner=owner, auth_key=config.auth_key())
+                                     owner=owner, auth_key=config.auth_key(), max_bytes=tier.max_bytes)
     except BaseException:  # a root another engine holds: give back what was claimed
         for store in stores.values():
             store.close()
@@ -95,9 +95,15 @@ def recover(directory: Directory, ranks: Sequence[Mapping[str, LocalStore]], loc
     `ranks[r]` are rank r's disk stores by tier name: one directory serves all ranks, so a block comes back only
     if every rank has its shard (with the same parent); the other ranks' shards of it are deleted. The scans
     have removed torn, foreign and temp files; what the directory does not adopt is deleted on every rank.
+    First, the folders of other namespaces (what this engine served before a change of weights, dtype, world
+    size, salt or key) are removed: no one can read them (one engine per root), and no bound counts them.
     """
     lock = lock or nullcontext()
     for name in ranks[0]:
+        gone = ranks[0][name].remove_other_namespaces({stores[name].namespace for stores in ranks})
+        if gone:
+            log.info("kvtier: %s tier: removed the blocks of %d other namespace(s), which this engine cannot read",
+                     name, len(gone))
         scans = [stores[name].scan() for stores in ranks]
         bad = sum(removed.get(reason, 0) for _, removed in scans for reason in INTEGRITY_REASONS)
         if bad and integrity_failures is not None:

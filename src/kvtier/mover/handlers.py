@@ -29,11 +29,13 @@ Reporter = Callable[[Sequence[Step], Status], None]  # where a driver learns how
 @dataclass
 class CallerIO:
     """The caller's tensors of one plan, by step index: PUT sources (`blocks`), GET destinations (`out`), and
-    on an accelerator the event its copies must wait for (`kvtier.mover.copy.ready_event`)."""
+    on an accelerator the event its copies must wait for (`kvtier.mover.copy.ready_event`). `report`: where this
+    plan's steps are reported, when not the mover's own reporter (a load's keeps count of what it reported)."""
 
     blocks: Sequence[CallerBlock] = ()
     out: Sequence[CallerBlock] = ()
     ready: Any = None
+    report: Reporter | None = None
 
 
 class Handler(Protocol):

@@ -152,24 +152,35 @@ class Mover:
         fetches from a shared tier run as batches once the evictions that make room for them are done.
         `ready`: on an accelerator, `ready_event(out)`, recorded by the caller (in its thread).
         """
-        io = CallerIO(out=out, ready=ready)
-        delivered = [False] * len(out)
-        plain, cut = self._shared.cut(plan.chains, last_only=False)
-        batch, chains = _singles(plain, Op.GET, self.stores.host_name)
-        futures = [self._reads.submit(self._run_chain, chain, io, delivered) for chain in chains]
-        failed: set[bytes] = set()  # keys whose fetch failed: their GETs are skipped
-        befores = [self._reads.submit(self._run_chain, before, io, delivered, failed) for before, _, _ in cut if before]
-        if batch:
-            self._run_batch(batch, self._get, io, delivered)
-        if cut:
-            for f in befores:
+        unreported = _Unreported(plan, self.report)
+        io = CallerIO(out=out, ready=ready, report=unreported)
+        running: list[Future] = []
+        try:
+            delivered = [False] * len(out)
+            plain, cut = self._shared.cut(plan.chains, last_only=False)
+            batch, chains = _singles(plain, Op.GET, self.stores.host_name)
+            for chain in chains:
+                running.append(self._reads.submit(self._run_chain, chain, io, delivered))
+            failed: set[bytes] = set()  # keys whose fetch failed: their GETs are skipped
+            befores: list[Future] = []
+            for before in (before for before, _, _ in cut if before):
+                befores.append(self._reads.submit(self._run_chain, before, io, delivered, failed))
+            running += befores
+            if batch:
+                self._run_batch(batch, self._get, io, delivered)
+            if cut:
+                for f in befores:
+                    f.result()
+                self._shared.fetch([step for _, step, _ in cut], failed, io, delivered)
+                for _, _, after in cut:
+                    if after:
+                        self._run_chain(after, io, delivered, failed)
+            for f in running:
                 f.result()
-            self._shared.fetch([step for _, step, _ in cut], failed, io, delivered)
-            for _, _, after in cut:
-                if after:
-                    self._run_chain(after, io, delivered, failed)
-        for f in futures:
-            f.result()
+        except BaseException:  # a bug or a closed pool: what runs still reports, then the rest fails
+            wait(running)
+            unreported.fail()
+            raise
         return delivered
 
     def lookup_shared(self, tier: str, keys: Sequence[bytes]) -> int:
@@ -218,7 +229,7 @@ class Mover:
                     delivered[step.index] = True
         elif failed is not None:
             failed.update(step.key for step in steps)
-        self.report(steps, status)
+        (io.report or self.report)(steps, status)
 
     def _run_chain(
         self, chain: list[Step], io: CallerIO, delivered: list[bool] | None = None, failed: set[bytes] | None = None,
@@ -243,7 +254,7 @@ class Mover:
                     full.add(step.src)
                 else:
                     failed.add(step.key)
-            self.report((step,), status)
+            (io.report or self.report)((step,), status)
 
     def _run_step(self, step: Step, io: CallerIO) -> tuple[Status, int]:
         """Any failure is the step's status, never an exception: the chain goes on (skipping what needed
@@ -266,6 +277,28 @@ class Mover:
             self._pending.discard(future)
         if (exc := future.exception()) is not None:  # a bug, not an I/O error: make it loud
             log.error("kvtier mover job failed", exc_info=exc)
+
+
+class _Unreported:
+    """A load's reporter that keeps the steps it has not reported: if the load raises, they are reported FAILED
+    (once what is running is done), so that nothing waits for them, their pins and queued bytes included."""
+
+    def __init__(self, plan: Plan, report: Reporter) -> None:
+        self._left = {step.id: step for chain in plan.chains for step in chain}
+        self._report = report
+        self._lock = threading.Lock()
+
+    def __call__(self, steps: Sequence[Step], status: Status) -> None:
+        with self._lock:
+            for step in steps:
+                self._left.pop(step.id, None)
+        self._report(steps, status)
+
+    def fail(self) -> None:
+        with self._lock:
+            left, self._left = list(self._left.values()), {}
+        if left:
+            self._report(left, Status.FAILED)
 
 
 def _singles(chains: list[list[Step]], caller_op: Op, host: str) -> tuple[list[Step], list[list[Step]]]:

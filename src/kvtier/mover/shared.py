@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -142,7 +142,13 @@ class SharedTraffic:
             self._fetch_batch(groups[0], failed, io, delivered)
             return
         assert self._reads is not None
-        for future in [self._reads.submit(self._fetch_batch, g, failed, io, delivered) for g in groups]:
+        futures: list[Future] = []
+        try:
+            for group in groups:
+                futures.append(self._reads.submit(self._fetch_batch, group, failed, io, delivered))
+        finally:
+            wait(futures)  # none still running when this returns or raises: the caller fails what is unreported
+        for future in futures:
             future.result()
 
     def _fetch_batch(self, steps: list[Step], failed: set[bytes], io: CallerIO, delivered: list[bool]) -> None:
@@ -150,14 +156,14 @@ class SharedTraffic:
         corrupt or foreign (the store removes those) is SOURCE_LOST: its GET is skipped and the prefix ends there."""
         tier, dst = steps[0].src, steps[0].dst
         store = self.stores[tier]
-        into = self._buffers(len(steps), store.payload_nbytes) if dst == CALLER else \
-            [self.slab.view(slot_of(s.dst_slot)) for s in steps]
         start = time.perf_counter()
         try:
+            into = self._buffers(len(steps), store.payload_nbytes) if dst == CALLER else \
+                [self.slab.view(slot_of(s.dst_slot)) for s in steps]
             statuses = store.get_many([s.key for s in steps], into)
             if dst == CALLER:
                 self._deliver(steps, statuses, into, io, delivered)
-        except Exception:  # a bug, not an outage (the store turns those into misses): nothing is served
+        except Exception:  # no buffer (ENOMEM), or a bug; not an outage (the store turns those into misses)
             log.exception("kvtier shared-tier fetch failed")
             statuses = [ReadStatus.MISSING] * len(steps)
         each = (time.perf_counter() - start) / len(steps)
@@ -169,10 +175,11 @@ class SharedTraffic:
         if ok:
             self.metrics.observe_move(tier, dst, store.payload_nbytes, each, count=len(ok))
         failed.update(s.key for s in lost)
+        report = io.report or self.report
         if ok:
-            self.report(ok, Status.OK)
+            report(ok, Status.OK)
         if lost:
-            self.report(lost, Status.SOURCE_LOST)
+            report(lost, Status.SOURCE_LOST)
 
     def _buffers(self, n: int, nbytes: int) -> list[memoryview]:
         """`n` buffers of `nbytes`, in one buffer of this thread's own."""

@@ -16,7 +16,7 @@ small protocol:
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -109,10 +109,21 @@ class ObjectStore(Protocol):
 class LocalStore(ObjectStore, Protocol):
     """DISK: an ObjectStore whose blocks outlive the process, found again by a restart scan."""
 
+    namespace: str
+
+    @property
+    def capacity_blocks(self) -> int | None:
+        """How many blocks the tier's bound allows this store (None: none given)."""
+        ...
+
     def holds(self, key: bytes) -> bool: ...
 
     def scan(self) -> tuple[list[RecoveredBlock], dict[str, int]]:
         """The valid blocks, oldest first, and how many files were removed, by reason."""
+        ...
+
+    def remove_other_namespaces(self, keep: Collection[str]) -> list[str]:
+        """Remove what namespaces other than `keep` left where this store keeps its own; the names removed."""
         ...
 
 

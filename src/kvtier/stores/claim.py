@@ -6,6 +6,10 @@ delete the other's temp files. So the first store of an engine takes an exclusiv
 names the holder. The stores of one engine share the claim: in one process by reference count (the lock is
 released with the last of them), across its processes (the scheduler's restart scan, tensor-parallel workers)
 by the owner token, which every process of one engine knows.
+
+Each store also holds a shared lock in its rank's folder while it is open, so that the scheduler's restart scan
+can tell that every rank's worker has its files where the scan looks (`rank_served`): with tensor parallelism
+across machines, a rank's folder on the scheduler's machine is not the one its worker writes.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 from pathlib import Path
 
 LOCK_NAME = ".kvtier.lock"
+RANK_LOCK = ".lock"  # in each rank's folder: held (shared) by every store open on it
 _guard = threading.Lock()
 _claims: dict[tuple[Path, str], list[int]] = {}  # (root, owner) -> [lock fd, stores holding it]
 
@@ -73,3 +78,28 @@ def _holder(fd: int) -> str:
             return text
         time.sleep(0.01)
     return ""
+
+
+def hold_rank(dir_fd: int) -> int:
+    """A shared lock on the rank folder `dir_fd` for as long as the returned fd is open: this rank's files are
+    served from this file system (`rank_served`)."""
+    fd = os.open(RANK_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def rank_served(dir_fd: int) -> bool:
+    """Whether a process on this file system holds the rank folder `dir_fd` open (`hold_rank`): its worker runs
+    where this process can see its files."""
+    fd = os.open(RANK_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases the probe's lock
+    return False

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import mmap
 import os
 import re
 import secrets
+import shutil
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 import xxhash
@@ -30,26 +32,39 @@ from kvtier.stores import blockformat
 from kvtier.stores.base import ReadStatus, RecoveredBlock
 from kvtier.stores.blockformat import Header, check_key, parse_header
 from kvtier.stores.buffers import Buffer, aligned, byte_view
-from kvtier.stores.claim import claim, release
+from kvtier.stores.claim import RANK_LOCK, claim, hold_rank, rank_served, release
 from kvtier.stores.files import DIR, DIRECT, RD, WR, file_name, open_private_dir, subdir, transfer
 
 HEADER_NBYTES = DISK_HEADER_NBYTES  # blockformat's header, zero-padded to the O_DIRECT alignment
+log = logging.getLogger(__name__)
+def rank_visible(root_dir: str | Path, namespace: str, rank: int) -> bool:
+    """Whether a store of this rank is open on this file system (`kvtier.stores.claim.rank_served`): false
+    when the rank's worker runs on another machine, whose files this process cannot see."""
+    fd = open_private_dir(Path(root_dir).resolve(), (namespace, str(rank)))
+    try:
+        return rank_served(fd)
+    finally:
+        os.close(fd)
+
+
 class DiskStore:
     """Blocks of one namespace and rank as files under `root_dir`; safe to drive from many threads."""
 
     def __init__(
         self, root_dir: str | Path, namespace: str, rank: int, payload_nbytes: int, o_direct: bool = True,
-        owner: str | None = None, auth_key: bytes | None = None,
+        owner: str | None = None, auth_key: bytes | None = None, max_bytes: int | None = None,
     ) -> None:
         """`owner`: the engine this store works for; given, the store claims `root_dir` for it (one engine per
         root: `kvtier.stores.claim`) until `close`. `auth_key`: blocks are signed with it, and served only if
-        signed with it (`blockformat.mac_of`)."""
+        signed with it (`blockformat.mac_of`). `max_bytes`: the tier's bound on this rank's files, which the
+        directory keeps; the store only tells it (`capacity_blocks`) to whoever writes without the directory."""
         if not re.fullmatch(r"[0-9a-f]{32}", namespace):
             raise ValueError(f"namespace must be 32 lowercase hex chars (Namespace.digest()), got {namespace!r}")
         if rank < 0 or payload_nbytes <= 0:
             raise ValueError(f"need rank >= 0 and payload_nbytes > 0, got {rank}, {payload_nbytes}")
         self.root = Path(root_dir).resolve()  # resolved once; nothing below it is followed
         self.namespace, self.rank, self.payload_nbytes = namespace, rank, payload_nbytes
+        self.max_bytes = max_bytes
         self._auth = auth_key
         self._ns = bytes.fromhex(namespace)
         self.padded_nbytes = round_up(payload_nbytes)
@@ -60,9 +75,16 @@ class DiskStore:
         self._owner = owner
         if owner is not None:
             claim(self.root, owner)  # before touching anything below the root
+        self._dir_fd: int | None = None
+        self._rank_fd: int | None = None  # the shared lock that tells this rank is served here (claim.hold_rank)
         try:
-            self._dir_fd: int | None = open_private_dir(self.root, (namespace, str(rank)))
+            self._dir_fd = open_private_dir(self.root, (namespace, str(rank)))
+            if owner is not None:
+                self._rank_fd = hold_rank(self._dir_fd)
         except BaseException:
+            if self._dir_fd is not None:
+                os.close(self._dir_fd)
+                self._dir_fd = None
             if owner is not None:
                 release(self.root, owner)
             raise
@@ -72,11 +94,18 @@ class DiskStore:
         """Bytes one block occupies on disk: header + payload padded to 4096 (what the directory counts)."""
         return disk_footprint(self.payload_nbytes)
 
+    @property
+    def capacity_blocks(self) -> int | None:
+        """How many block files `max_bytes` allows (None: no bound given)."""
+        return None if self.max_bytes is None else self.max_bytes // self.footprint
+
     def close(self) -> None:
         """Release the directory fd and the claim; the files stay for the next start's scan()."""
         fd, self._dir_fd = self._dir_fd, None
         if fd is not None:
             os.close(fd)
+            if self._rank_fd is not None:
+                os.close(self._rank_fd)
             if self._owner is not None:
                 release(self.root, self._owner)
 
@@ -314,7 +343,7 @@ class DiskStore:
         removed = {"temp": 0, "symlink": 0, "corrupt": 0, "foreign": 0}
         blocks: list[RecoveredBlock] = []
         for sub_name, sub, name, st in self._entries():
-            if stat.S_ISDIR(st.st_mode):
+            if stat.S_ISDIR(st.st_mode) or (sub_name is None and name == RANK_LOCK and stat.S_ISREG(st.st_mode)):
                 continue
             if stat.S_ISLNK(st.st_mode):
                 reason: str | None = "symlink"
@@ -344,6 +373,31 @@ class DiskStore:
             out.append(RecoveredBlock(key=header.key, parent=header.parent, mtime_ns=st.st_mtime_ns))
             return None
         return "foreign" if status is ReadStatus.FOREIGN else "corrupt"
+
+    def remove_other_namespaces(self, keep: Collection[str]) -> list[str]:
+        """Remove the folders of namespaces other than `keep` under the root; the names of those removed.
+
+        The root is one engine's (`kvtier.stores.claim`), so no one else reads them, and this engine never will:
+        a namespace changes with the weights, dtype, layout, world size, salt or signing key. Left there, they
+        would lie outside any bound, one tier's worth per change. Only folders named like a namespace go; links
+        are removed, never followed. Run it at startup, while this store holds the root's claim."""
+        if self._dir_fd is None:
+            raise ValueError("DiskStore is closed")
+        removed: list[str] = []
+        root_fd = os.open(self.root, DIR)
+        try:
+            with os.scandir(root_fd) as it:
+                found = [e.name for e in it if re.fullmatch(r"[0-9a-f]{32}", e.name) and e.name not in keep
+                         and e.is_dir(follow_symlinks=False)]
+            for name in found:
+                try:
+                    shutil.rmtree(name, dir_fd=root_fd)  # fd-based: a link inside is unlinked, never followed
+                    removed.append(name)
+                except OSError as exc:
+                    log.warning("kvtier: could not remove the old namespace folder %s: %s", self.root / name, exc)
+        finally:
+            os.close(root_fd)
+        return removed
 
     def used_bytes(self) -> int:
         """Our block and temp files x footprint: what the directory's capacity accounting should see."""

@@ -13,6 +13,7 @@ applications' keys too, and is often not ours to configure (managed Redis refuse
 
     !used            bytes of all committed values (header + payload), never above max_bytes (nor !cap)
     !cap             once Redis refused a put for memory: the lower bound the tier keeps for oom_cap_s (below)
+    !reclaims        how many times the cap was set: puts refused together lower it once (below)
     !meta  hash      id -> "<value bytes> <parent id>"       (id = namespace + key hex)
     !tick  hash      id -> last use, from the shared !clock counter
     !leaves zset     blocks that have no child in the tier, by last use: the only eviction candidates
@@ -32,12 +33,14 @@ trip too (the GETs and the touch script), its values read off the socket straigh
 Redis keeps each value in its allocator's next size class (1.25x a power-of-two payload) and needs room for a
 put's temporary values before its commit evicts: give it a `maxmemory` of 1.35x the tiers' max_bytes, plus one put
 per writer and a few MB, and `maxmemory-policy noeviction` (or `volatile-*`: our blocks have no TTL), so that it
-never drops our blocks itself. A put Redis refuses for memory anyway is FAILED (`oom_reclaims`), and `RECLAIM`
+never drops our blocks itself. A put Redis refuses for memory anyway is FAILED (`oom_refused`), and `RECLAIM`
 makes what the tier held less one put its cap (`!cap`, for every engine) and evicts below it, so the next puts
-fit; after `oom_cap_s` the cap expires and the tier grows back (memory added to Redis is used; memory still short
-costs one refused put). Under an `allkeys-*` policy Redis may drop values itself: reads of those miss, `lookup`
-stops at the first missing block, and the count over-states until our own eviction reaches the entry. Not
-Redis Cluster-ready: the scripts touch keys they do not declare (one hash slot per key_prefix would fix that).
+fit (`oom_reclaims`). Puts refused together, from several writers, lower it once: each put reads `!reclaims` as
+it is sent, and its refusal reclaims only if no other reclaim ran since. After `oom_cap_s` the cap expires and the
+tier grows back (memory added to Redis is used; memory still short costs one refused put). Under an `allkeys-*`
+policy Redis may drop values itself: reads of those miss, `lookup` stops at the first missing block, and the
+count over-states until our own eviction reaches the entry. Not Redis Cluster-ready: the scripts touch keys they
+do not declare (one hash slot per key_prefix would fix that).
 
 Every call goes through a circuit breaker: with Redis down or slow, lookups return misses and stores are
 dropped at once (counted), instead of costing a timeout each."""
@@ -166,7 +169,7 @@ class RedisStore:
         def chunks() -> Iterator[bytes | memoryview]:
             """Each block's header is made (its checksum taken) just before it is sent, so that Redis reads one
             block while the next is hashed. RESP between two payloads goes out as one chunk: one send per gap."""
-            small = command(b"MULTI")
+            small = command(b"GET", self._prefix + b"!reclaims") + command(b"MULTI")  # what a refusal saw: _reclaim
             for tmp, (key, parent, _), view in zip(tmps, items, views):
                 header = bytearray(blockformat.HEADER_NBYTES)
                 mac = blockformat.mac_of(self._auth, self._ns, key, parent, view) if self._auth else blockformat.NO_MAC
@@ -178,28 +181,31 @@ class RedisStore:
             yield small + command(*commit_args) + command(b"EXEC")
 
         try:
-            replies = self._exchange(chunks(), len(items) + 3)
+            replies = self._exchange(chunks(), len(items) + 4)
         except _Skipped as skipped:
             return self._count_all([PutStatus.DROPPED if skipped.by_breaker else PutStatus.FAILED] * len(items))
         executed = replies[-1]
         if not isinstance(executed, list) or not isinstance(executed[-1], list):  # EXECABORT: nothing applied
             if any(isinstance(r, OutOfMemoryError) for r in replies):
-                self._reclaim(len(items) * self.value_nbytes)
+                self._reclaim(len(items) * self.value_nbytes, replies[0] if isinstance(replies[0], bytes) else b"0")
             return self._count_all([PutStatus.FAILED] * len(items))
         *statuses, evicted = executed[-1]
         self._count("evictions", int(evicted))
         return self._count_all([PutStatus(s.decode()) for s in statuses])
 
-    def _reclaim(self, nbytes: int) -> None:
+    def _reclaim(self, nbytes: int, seen: bytes = b"") -> None:
         """Redis refused a put of `nbytes` for memory (its maxmemory is below what max_bytes lets the tier hold):
-        lower the tier's cap for every engine and free room below it (`RECLAIM`), so that the next puts fit."""
+        lower the tier's cap for every engine and free room below it (`RECLAIM`), so that the next puts fit.
+        `seen`: the tier's reclaim count when the put was sent; if another refusal's reclaim ran since, that one
+        answered this shortage and nothing more is lowered (`oom_refused` counts every refusal)."""
+        self._count("oom_refused")
         try:
             (evicted,) = self._exchange([command(b"EVAL", RECLAIM, b"0", self._prefix, b"%d" % nbytes,
-                                                  b"%d" % self.value_nbytes, self._oom_cap_ms)], 1)
+                                                  b"%d" % self.value_nbytes, self._oom_cap_ms, seen)], 1)
         except _Skipped:
             return
-        self._count("oom_reclaims")
-        if isinstance(evicted, int):
+        if isinstance(evicted, int) and evicted >= 0:
+            self._count("oom_reclaims")
             self._count("evictions", evicted)
 
     def put_chain(self, items: Sequence[tuple[bytes, bytes | None, Buffer]], held: set[bytes]) -> list[PutStatus]:

@@ -136,11 +136,17 @@ return n
 """
 
 
-# ARGV: prefix, the refused put's bytes, one block's bytes, how long the cap holds (ms). Redis refused a put for
-# memory: its maxmemory, not our max_bytes, is the bound. What the tier held less one such put becomes its cap
-# (never below one block; a lower cap another engine set stays as it is), and least recently used leaves go until
-# it holds one put less than that: room for the next put's temporary values.
+# ARGV: prefix, the refused put's bytes, one block's bytes, how long the cap holds (ms), the reclaim count the put
+# saw when it was sent ('' for none). Redis refused a put for memory: its maxmemory, not our max_bytes, is the
+# bound. What the tier held less one such put becomes its cap (never below one block; a lower cap another engine
+# set stays as it is), and least recently used leaves go until it holds one put less than that: room for the next
+# put's temporary values. Puts refused together (several writers) were refused for one shortage: the first reclaim
+# answers it, and a put sent before that reclaim ran lowers nothing more (-1), or k refusals would lower the cap
+# by 2k-1 puts. A put sent after it and refused still is a shortage of its own.
 _RECLAIM_SOURCE = "#!lua flags=allow-oom\n" + _COMMON + """
+local RECLAIMS = P..'!reclaims'
+if ARGV[5] ~= '' and (redis.call('GET', RECLAIMS) or '0') ~= ARGV[5] then return -1 end
+redis.call('INCR', RECLAIMS)
 local put, block = tonumber(ARGV[2]), tonumber(ARGV[3])
 local cap = math.max(used - put, block)
 local evicted = evict_to(cap - put, nil)

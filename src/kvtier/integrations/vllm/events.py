@@ -24,26 +24,34 @@ class Payload:
 
 
 class KVEvents:
-    """Payloads of the blocks in some tier (taken when their store is planned) and the events not yet taken."""
+    """Payloads of the blocks in the directory (taken when their store is planned) and the events not yet taken.
 
-    def __init__(self, engine_block_size: int, kind: Callable[[str], TierKind]) -> None:
+    A payload goes when its block leaves the directory (`changed` with no tier), so only blocks the directory has
+    are remembered: a block whose store was refused (admission, no room) never leaves it, and would stay for good.
+    """
+
+    def __init__(self, engine_block_size: int, kind: Callable[[str], TierKind], known: Callable[[bytes], bool]) -> None:
+        """`kind`: a tier's medium; `known`: whether the directory has a block (`Directory.__contains__`)."""
         self.engine_block_size = engine_block_size
         self.kind = kind
+        self.known = known
         self.payloads: dict[bytes, Payload] = {}
         self.tiers: dict[bytes, set[str]] = {}
         self.pending: list[Any] = []
 
     def remember(self, request: Any, keys: list[bytes], block_tokens: int) -> None:
-        """The engine's view of the request's first `len(keys)` kvtier blocks, whose store is being planned."""
+        """The engine's view of the request's first `len(keys)` kvtier blocks, whose store was just planned: of
+        those the directory has (the others' stores were refused)."""
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         per = block_tokens // self.engine_block_size
         hashes = [maybe_convert_block_hash(h) for h in request.block_hashes[: len(keys) * per]]
         tokens = request.all_token_ids
         for i, key in enumerate(keys):
-            self.payloads.setdefault(key, Payload(tuple(hashes[i * per : (i + 1) * per]),
-                                                  hashes[i * per - 1] if i else None,
-                                                  tuple(tokens[i * block_tokens : (i + 1) * block_tokens])))
+            if key in self.payloads or not self.known(key):
+                continue
+            self.payloads[key] = Payload(tuple(hashes[i * per : (i + 1) * per]), hashes[i * per - 1] if i else None,
+                                         tuple(tokens[i * block_tokens : (i + 1) * block_tokens]))
 
     def changed(self, key: bytes, tier: str | None, stored: bool) -> None:
         """The directory's hook: `key` became readable in `tier` (stored) or left it; `tier` None: the block left

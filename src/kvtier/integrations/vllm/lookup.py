@@ -4,12 +4,19 @@ A hit is promised only for blocks readable now, up to the engine block before th
 vLLM's own prefix cache: that token is always computed, so a restored prefix goes through exactly the kernels
 a local cache hit goes through), and only as far as the decision says a load beats recomputing. A shared tier
 (Redis) is asked for the blocks after the local prefix on a thread of our own: until it answers, the lookup
-returns None and vLLM keeps the request waiting, so the scheduler never blocks on the network.
+returns None and vLLM keeps the request waiting, so the scheduler never blocks on the network. A Redis that is
+slow but answers within its socket timeout never opens its breaker, so the wait has bounds of its own: a request
+waits `lookup_deadline_s` at most, then goes on without the tier (an answer that comes before vLLM asks again is
+still used), and at most `lookup_queue_depth` lookups are in flight (queued or asking): past it, a request goes
+on without the tier at once. Both are counted (`kvtier_shared_lookups_skipped_total{reason}`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -26,16 +33,21 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+PASSED = float("-inf")  # a lookup's deadline once it passed (and was counted)
 
 
 class Lookup:
     def __init__(self, directory: Directory, control: SchedulerControl, geometry: Geometry,
-                 shared_store: SharedStore | None) -> None:
+                 shared_store: SharedStore | None, config: KVTierConfig) -> None:
         self.directory = directory
         self.control = control
         self.geo = geometry
         self.shared_store = shared_store
         self._asking = ThreadPoolExecutor(2, thread_name_prefix="kvtier-lookup") if shared_store else None
+        found = shared_tier(config)
+        self.deadline_s = found[1].lookup_deadline_s if found else 0.0
+        self._slots = threading.BoundedSemaphore(found[1].lookup_queue_depth if found else 1)  # queued or asking
+        self.skipped: Counter = Counter()  # reason -> requests that went on without the shared tier's answer
 
     def match(self, request: Request, num_computed_tokens: int, keys: list[bytes],
               state: RequestState) -> tuple[int | None, bool]:
@@ -73,16 +85,39 @@ class Lookup:
             return 0
         asked = state.asked
         if asked is None or asked[0] != local:
-            state.asked = (local, self._asking.submit(self.shared_store.lookup, keys[local:]))
-            return None
-        if not asked[1].done():
-            return None
+            return self._ask(keys[local:], local, state)
+        _, future, deadline = asked
+        if not future.done():
+            if time.monotonic() < deadline:
+                return None
+            if deadline != PASSED:  # counted once; a late answer is still taken if vLLM asks again
+                self.skipped["deadline"] += 1
+                state.asked = (local, future, PASSED)
+            future.cancel()  # a lookup still queued frees its place at once
+            return 0
         state.asked = None
         try:
-            return asked[1].result()
-        except Exception as exc:  # the store's breaker counts what failed; a lookup that fails is a miss
-            log.debug("kvtier: shared tier lookup failed: %s", exc)
+            return future.result()
+        except Exception as exc:  # the store's breaker counts what failed; a lookup that fails (or was cancelled)
+            log.debug("kvtier: shared tier lookup failed: %s", exc)  # is a miss
             return 0
+
+    def _ask(self, keys: list[bytes], local: int, state: RequestState) -> int | None:
+        """Ask the shared tier on our threads (None: the answer is awaited), or go on without it (0) when
+        `lookup_queue_depth` lookups are already in flight."""
+        assert self._asking is not None and self.shared_store is not None
+        if not self._slots.acquire(blocking=False):
+            self.skipped["queue_full"] += 1
+            state.asked = None
+            return 0
+        try:
+            future = self._asking.submit(self.shared_store.lookup, keys)
+        except BaseException:
+            self._slots.release()
+            raise
+        future.add_done_callback(lambda _: self._slots.release())
+        state.asked = (local, future, time.monotonic() + self.deadline_s)
+        return None
 
     def _shared_name(self) -> str:
         assert self.directory.shared is not None

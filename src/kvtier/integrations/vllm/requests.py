@@ -24,7 +24,8 @@ class Promise(NamedTuple):
 @dataclass
 class RequestState:
     local_tokens: int = 0  # vLLM's own prefix hit, as it last told us
-    asked: tuple[int, Future] | None = None  # the shared tier's answer: (first block asked, blocks it holds)
+    asked: tuple[int, Future, float] | None = None  # the shared tier's answer: (first block asked, blocks it holds,
+    # until when the request waits for it)
     promise: Promise | None = None  # until `update_state_after_alloc` plans it
     loading: bool | None = None  # a load vLLM has not learnt the end of: True synchronous, False asynchronous
     served: Counter = field(default_factory=Counter)  # tokens its load takes from each kind of tier, until asked

@@ -50,14 +50,15 @@ class SchedulerSide:
         self.geo = geometry
         self.directory = Directory(tier_specs(config, geometry.block_nbytes, geometry.world_size),
                                    shared=shared_spec(config, geometry.block_nbytes), stage_loads=False)
-        self.events = KVEvents(geometry.engine_block_size, self.directory.kind) if kv_events else None
+        self.events = KVEvents(geometry.engine_block_size, self.directory.kind,
+                               self.directory.__contains__) if kv_events else None
         if self.events is not None:  # before recovery: what the disk had is not announced (its tokens are unknown)
             self.directory.on_change = self.events.changed
         self.control = SchedulerControl(config, self.directory, geometry.block_nbytes)
         shared_store = lookup_client(config, geometry)
-        self.lookup = Lookup(self.directory, self.control, geometry, shared_store)
+        self.lookup = Lookup(self.directory, self.control, geometry, shared_store, config)
         self.inflight = InFlight(self.directory, geometry.world_size, geometry.block_nbytes)
-        self.stats = SchedulerStats(self.directory, geometry, self.control, shared_store)
+        self.stats = SchedulerStats(self.directory, geometry, self.control, shared_store, self.lookup.skipped)
         self._requests: dict[str, RequestState] = {}
         self._settling: set[str] = set()  # synchronous loads with no step: vLLM has their result after this step
         self._loads: list[LoadJob] = []

@@ -24,8 +24,9 @@ SHARED_USAGE_S = 1.0  # the shared tier's bytes are asked of Redis at most this 
 
 class SchedulerStats:
     def __init__(self, directory: Directory, geometry: Geometry, control: SchedulerControl,
-                 shared_store: SharedStore | None) -> None:
+                 shared_store: SharedStore | None, lookups_skipped: Counter | None = None) -> None:
         self.directory = directory
+        self.lookups_skipped = lookups_skipped if lookups_skipped is not None else Counter()  # reason -> requests
         self.geo = geometry
         self.control = control
         self.shared_store = shared_store
@@ -49,6 +50,7 @@ class SchedulerStats:
                 "stores_dropped": self._deltas.take("stores_dropped", d.stats.stores_dropped + self.dropped),
                 "failed_deletes": self._deltas.take("failed_deletes", d.stats.failed_deletes),
                 "load_shortfall_tokens": self._deltas.take("load_shortfall_tokens", self.shortfall),
+                "shared_lookups_skipped": self._deltas.take("shared_lookups_skipped", self.lookups_skipped),
             },
             "gauges": {
                 "tier_used_bytes": {name: u.used_bytes for name, u in usage.items()},

@@ -21,6 +21,7 @@ import torch
 
 from kvtier.config import KVTierConfig
 from kvtier.directory import Op, Plan, Status, Step
+from kvtier.integrations.vllm.flush import flush
 from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata, LoadJob, StoreJob
 from kvtier.integrations.vllm.setup import Geometry
 from kvtier.integrations.vllm.stats import Deltas, add_breaker, label
@@ -127,12 +128,16 @@ class WorkerSide:
     def _run_load(self, job: LoadJob, ready: Any) -> None:
         assert self.mover is not None
         started = time.perf_counter()
+        handed = False  # to the mover, which reports every step of a plan it took, whatever raises
         try:
             assert self.pages is not None
             out = self.pages.blocks(job.targets)
+            handed = True
             delivered = self.mover.load(Plan(chains=job.chains), out, ready) if job.chains else []
         except Exception:  # nothing may stay unreported: vLLM would wait for this request forever
             log.exception("kvtier: a load for request %s failed", job.request_id)
+            if not handed:  # nor the scheduler for its steps (pins, queued bytes)
+                self._report([step for chain in job.chains for step in chain], Status.FAILED)
             delivered = [False] * len(job.targets)
         failed = {b for t, ok in zip(job.targets, delivered) if not ok for b in t if b is not None}
         # what the decision learns tiers' speeds from: the blocks each tier delivered, and how long it took
@@ -223,27 +228,15 @@ class WorkerSide:
             self.mover.close()
         if self.stores is not None:
             written, held = self.flush(self.config.shutdown_flush_s)
-            log.info("kvtier: shutdown: %d of the host tier's %d blocks written to disk (the others were there)",
-                     written, held)
+            log.info("kvtier: shutdown: %d of the host tier's %d blocks written to disk (the others were there, or"
+                     " past its bound)", written, held)
             self.stores.close()
 
     def flush(self, budget_s: float) -> tuple[int, int]:
-        """Write every host block no disk tier file holds to the first disk tier: (written, blocks in host). A
-        restart's scan finds them (beyond the tier's capacity, its policy evicts the oldest)."""
+        """The host tier's blocks to the first disk tier, within its bound (`kvtier.integrations.vllm.flush`):
+        (written, blocks in host). A restart's scan finds them."""
         assert self.stores is not None
-        held = self.stores.host.labelled()
         disk = next(iter(self.stores.local.values()), None)
         if disk is None:
-            return 0, len(held)
-        deadline, written = time.monotonic() + budget_s, 0
-        try:
-            for slot, key, parent in held:
-                if time.monotonic() > deadline:
-                    log.warning("kvtier: shutdown: flush stopped after %.1f s (shutdown_flush_s)", budget_s)
-                    break
-                if not disk.holds(key):
-                    disk.write(key, parent, self.stores.host.view(slot))
-                    written += 1
-        except Exception as exc:  # a failing disk stops the flush, never the shutdown
-            log.warning("kvtier: shutdown: flush stopped: %s", exc)
-        return written, len(held)
+            return 0, len(self.stores.host.labelled())
+        return flush(self.stores.host, disk, budget_s)
