@@ -18,6 +18,7 @@ from kvtier.cache import TieredCache
 from kvtier.config import parse_config
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.keys import chain_keys
+from tests.conftest import SIGNED
 from tests.connector_harness import TOKENS, Engine, Request, geometry, loading_all
 
 
@@ -85,7 +86,8 @@ def test_a_shared_fetch_that_gets_no_buffer_reports_its_steps(redis_server, monk
     host blocks the load pinned and the bytes the decision counted as queued come back. Before, the error left
     the per-batch `try`: the worker reported the request, but none of its fetch's steps, for good."""
     config = parse_config({"cpu_bytes_to_use": 8 * 4096, "block_size": 16, "engine_block_size": 16,
-                           "secondary_tiers": [{"type": "redis", "url": redis_server.url, "max_bytes": 1 << 26}]})
+                           **SIGNED, "secondary_tiers": [{"type": "redis", "url": redis_server.url,
+                                                                       "max_bytes": 1 << 26}]})
     a, b = Engine(config), Engine(config)
     try:
         document = [h("doc", i) for i in range(6)]
@@ -257,7 +259,7 @@ def test_a_disk_tier_with_a_rank_on_another_machine_is_refused_at_startup(tmp_pa
 
 
 def slow_redis_scheduler(redis_server, proxy, **tier: object) -> SchedulerSide:
-    config = parse_config({"cpu_bytes_to_use": 64 * 4096, "block_size": 16, "engine_block_size": 16,
+    config = parse_config({"cpu_bytes_to_use": 64 * 4096, "block_size": 16, "engine_block_size": 16, **SIGNED,
                            "secondary_tiers": [{"type": "redis", "url": proxy.url, "max_bytes": 1 << 24,
                                                 "socket_timeout_s": 5.0, **tier}]})
     return SchedulerSide(loading_all(config), geometry(1))
@@ -316,7 +318,7 @@ def test_lookups_in_flight_are_bounded_and_a_request_past_the_bound_goes_on_at_o
 def test_the_lookup_bounds_are_validated_naming_the_field(field):
     from kvtier.config import ConfigError
 
-    tier = {"type": "redis", "url": "redis://127.0.0.1:6379/0", "max_bytes": 1 << 20}
+    tier = {"type": "redis", "url": "redis://127.0.0.1:6379/0", "max_bytes": 1 << 20, "trusted_network": True}
     assert parse_config({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{**tier, field: 3}]})
     with pytest.raises(ConfigError, match=rf"secondary_tiers\[0\]\.{field}"):
         parse_config({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{**tier, field: 0}]})
