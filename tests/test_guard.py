@@ -313,6 +313,67 @@ def test_a_tier_on_probe_whose_blocks_no_request_asks_for_comes_back_on():
     assert guard.state("disk") is TierState.OFF and "off for 60 s" in guard.history[-1].reason
 
 
+def test_a_slow_tier_that_makes_every_request_queue_is_still_the_one_at_fault():
+    """When a tier's loads hold the engine up, everyone queues and every TTFT breaks the budget alike; the time
+    after the engine took each request up tells the tier's requests (slow loads) from the others (queued only)."""
+    guard = Guard(CONFIG, TIERS)
+    t = 0.0
+    while t < 30:
+        for source, served in (("disk", 2.0), (RECOMPUTE, 0.3), (ENGINE, 0.05)):
+            if source not in guard.route(t):
+                guard.observe(source, t, ttft_s=5.0 + served, served_s=served)  # 5 s in the queue
+        t += 1
+    assert [(tr.tier, tr.to) for tr in guard.history] == [("disk", TierState.OFF)]
+
+
+FAULTS = ("none", "slow", "hung", "load-dependent")
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), fault=st.sampled_from(FAULTS), at_fault=st.sampled_from(["disk", "redis"]),
+       overload=st.booleans(), moves_on=st.booleans())
+def test_the_guard_turns_off_only_the_tier_at_fault_never_flaps_and_always_comes_back(seed, fault, at_fault,
+                                                                                     overload, moves_on):
+    """Requests read from one tier or two in one request; one tier may be at fault (slow, hung: its loads end at
+    their 10 s deadline, or slow only under all requests); the engine may be overloaded (every request queues
+    3 s first); the traffic may move on from what the tier held half way. Whatever the mix: only the tier at fault
+    ever goes off, it comes back on (to fail again) a handful of times at most in 20 minutes (each failed return
+    doubles its hold), and every hold ends in a probe, every probe in a verdict, each on time."""
+    rng = random.Random(seed)
+    config = GuardConfig(ttft_p99_ms=500)  # the defaults: 10 s windows, 3 of 5, 20 requests, hold 60 s
+    guard = Guard(config, TIERS)
+    end, t = 1200.0, 0.0
+    while t < end:
+        skip = guard.route(t)
+        choices = [["host"], ["disk"], ["redis"], ["disk", "redis"], ["host", "disk"], []]
+        if moves_on and t > end / 2:  # nothing the tier at fault holds is asked for any more
+            choices = [c for c in choices if at_fault not in c]
+        served = [s for s in rng.choice(choices) if s not in skip]
+        took = {s: rng.uniform(0.005, 0.02) for s in served}
+        if at_fault in took:
+            slow = {"none": False, "slow": True, "hung": True, "load-dependent": guard.enabled(at_fault)}[fault]
+            took[at_fault] = (10.0 if fault == "hung" else 2.0) if slow else took[at_fault]
+        prefill = 0.05 if served else 0.3
+        queue = 3.0 if overload else 0.0
+        source = request_source(served, TIERS, False, took)
+        after = max(took.values(), default=0.0) + prefill
+        guard.observe(source, t, ttft_s=queue + after, served_s=after)
+        t += 0.1
+    guard.tick(end)
+    assert {tr.tier for tr in guard.history} <= ({at_fault} if fault != "none" else set())
+    assert guard.transitions[(at_fault, "on")] <= 4
+    window, history = config.window_s, list(guard.history)
+    for tr, following in zip(history, history[1:] + [None]):
+        if tr.to is TierState.OFF:  # a hold ends in a probe, on time
+            hold = float(tr.reason.split("off for ")[1].split(" s")[0])
+            assert following is not None or tr.at + hold > end
+            assert following is None or (following.to is TierState.PROBE and following.at - tr.at < hold + 1)
+        elif tr.to is TierState.PROBE:  # a probe ends in a verdict: within budget, broken, or starved
+            limit = (config.of_windows + config.breach_windows + 1) * window
+            assert following is not None or tr.at + limit > end
+            assert following is None or (following.to is not TierState.PROBE and following.at - tr.at <= limit)
+
+
 def test_hold_and_margin_config_errors_name_the_field():
     with pytest.raises(ConfigError, match=r"max_hold_s \(10\) is below hold_s \(60\)"):
         parse_guard({"ttft_p99_ms": 1, "max_hold_s": 10})

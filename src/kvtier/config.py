@@ -175,8 +175,9 @@ class GuardConfig(_Strict):
     probe_share: float = Field(0.1, gt=0, le=1)
     order: list[str] | None = None  # when several tiers break the budget at once, the first here goes first
     # A tier is at fault only where its p99 is also above (1 + this) x the p99 of the window's requests no tier
-    # served (engine hits and recomputes, when they are min_requests or more): an engine overloaded on its own
-    # breaks the budget for every source alike, and turning tiers off would only add recompute work to it.
+    # served (engine hits and recomputes, when they are min_requests or more; else above the budget without the
+    # engine's queue): an engine overloaded on its own breaks the budget for every source alike, and turning
+    # tiers off would only add recompute work to it.
     reference_margin: float = Field(0.2, ge=0)
     hold_backoff: float = Field(2.0, ge=1)  # the hold grows by this after each return that broke the budget again
     # The longest hold (default: an hour, or hold_s if longer); a tier on this long after a return starts over.

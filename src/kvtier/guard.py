@@ -4,23 +4,23 @@ clock stepped back an hour would hold a tier off an hour longer.
 
 Each finished request's latency is attributed to the source of its prefix: the kvtier tier whose part of its
 load took longest, as measured (`request_source`), else "engine" (vLLM's own cache) or "recompute". Per window of
-`window_s` and per source, the p99 of TTFT and of ITL are compared with the budgets, and with the requests no
-tier served (engine hits and recomputes: the reference): a tier's window breaks a budget only if its p99 is above
-the budget and, where the reference has `min_requests` requests, above the reference's by `reference_margin` (an
-engine overloaded on its own is slow for every source alike: no tier's fault). For TTFT the comparison is of the
-time from when the engine took each request up (its first lookup) to its first token, where the driver measures
-it: the queue before that is the engine's, while a tier's slow loads (which may well make everyone queue) are
-its own requests' alone. A tier is
-turned off once its own requests broke a budget in `breach_windows` of the last `of_windows` windows (each with
-at least `min_requests` of them); when several tiers qualify at once, only the first in `order` goes (one change
-at a time: every tier's history starts over). Off, it is read by no request and written by nothing; its contents
-are kept. After its hold it is probed: a `probe_share` of requests read it again, and it is back on after
-`breach_windows` probe windows in a row within budget (a probe window needs `probe_share` of `min_requests`, at
-least one); a breached one turns it off again. The hold is `hold_s`, times `hold_backoff` for each return in a
-row that broke the budget again (a load-dependent tier passes a probe's share and fails under all requests), at
-most `max_hold_s`. A tier on probe that no request reads for `of_windows` windows (nothing is written to it, and
-the traffic moved on from what it holds) comes back on and is judged on all requests. So a tier always comes
-back, and every transition's reason says why and for how long.
+`window_s` and per source, the p99 of TTFT and of ITL are compared with the budgets. A tier's window breaks a
+budget if its requests' p99 is above it and the tier is to blame: where the requests no tier served (engine hits
+and recomputes: the reference) are `min_requests` or more, its p99 is above theirs by `reference_margin` (an
+engine overloaded on its own is slow for every source alike: no tier's fault); where they are fewer, it is still
+above the budget without the engine's queue. For TTFT both compare the time from when the engine took each
+request up (its first lookup) to its first token, where the driver measures it: the queue before that is the
+engine's, while a tier's slow loads (which may well make everyone queue) are its own requests' alone.
+A tier is turned off once its own requests broke a budget in `breach_windows` of the last `of_windows` windows
+(each with at least `min_requests` of them); when several tiers qualify at once, only the first in `order` goes
+(one change at a time: every tier's history starts over). Off, it is read by no request and written by nothing;
+its contents are kept. After its hold it is probed: a `probe_share` of requests read it again, and it is back on
+after `breach_windows` probe windows in a row within budget (a probe window needs `probe_share` of
+`min_requests`, at least one); a breached one turns it off again. The hold is `hold_s`, times `hold_backoff` for
+each return in a row that broke the budget again (a load-dependent tier passes a probe's share and fails under
+all requests), at most `max_hold_s`. A tier on probe that no request reads for `of_windows` windows (nothing is
+written to it, and the traffic moved on from what it holds) comes back on and is judged on all requests. So a
+tier always comes back, and every transition's reason says why and for how long.
 The engine's own cache is never a tier here: nothing can turn it off.
 """
 
@@ -248,9 +248,9 @@ class Guard:
             if p99(window.samples(source, signal)) * 1e3 <= budget:
                 continue
             reference = self._reference(window, signal, window.compared)
-            if reference is not None and p99(window.compared(source, signal)) <= reference * (
-                    1 + self.config.reference_margin):
-                continue  # the engine is as slow without any tier: not this tier's doing
+            bar = budget / 1e3 if reference is None else reference * (1 + self.config.reference_margin)
+            if p99(window.compared(source, signal)) <= bar:
+                continue  # the engine is as slow without any tier, or its queue broke the budget: not this tier
             return signal
         return None
 
