@@ -431,6 +431,12 @@ def test_a_tier_whose_loads_hang_is_not_assumed_fast():
     assert decider.blocks_to_load(["disk"] * 4, [256] * 4, now + 11) == 0
     decider.queued["disk"] = 0
     assert decider.blocks_to_load(["disk"] * 4, [256] * 4, now + 11) == 4  # idle and unmeasured: the next load tells
+    for _ in range(5):  # healthy again
+        decider.transferred("disk", block, 0.020, now + 11)
+    decider.shipped("busy", {"disk": block}, now=now + 11)
+    assert decider.blocks_to_load(["disk"] * 4, [256] * 4, now + 11.01) == 4  # in flight, not late: its fit holds
+    assert decider.blocks_to_load(["disk"] * 4, [256] * 4, now + 11.5) == 0  # 20 ms expected, 500 ms waited
+    decider.landed("busy")
     # a tier that never completed a load at all: the age of its oldest load in flight is what it costs
     fresh = Decider("auto", None, 5_000, block)
     fresh.shipped("load-1", {"redis": block}, now=100.0)

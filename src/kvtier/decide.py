@@ -3,21 +3,21 @@ recompute. Pure Python, fed with measurements by its driver (the vLLM scheduler 
 
 A load of the first k blocks is expected to take, per tier, its latency + (bytes queued on it + the bytes of its
 blocks among the k) / its bandwidth, summed over tiers, and no less than the oldest load still in flight on that
-tier has waited; recomputing them takes their tokens x the engine's cost per token. Both sides are measured
-online: a tier's latency and bandwidth are fitted (EWMA) to each tier's part of the loads that completed (or
-passed their deadline), the engine's fixed cost per prefill and cost per token apart, to the last requests'
-prefill spans (a configured prior until there are some). Only the cost per token counts against a load: the
-fixed one is paid either way, since the request computes its last tokens whatever it loads. The longest prefix
-whose load wins is offered. An idle tier without a recent transfer is assumed fast: its next load measures it
-again, so a tier that recovers is used again; a tier with loads in flight keeps its fit, and the age of its
-oldest load, until one completes.
+tier has waited once that is longer than the fit says its queue takes (the tier is behind: stalled, or hung);
+recomputing them takes their tokens x the engine's cost per token. Both sides are measured online: a tier's
+latency and bandwidth are fitted (EWMA) to each tier's part of the loads that completed (or passed their
+deadline), the engine's fixed cost per prefill and cost per token apart, to the last requests' prefill spans (a
+configured prior until there are some). Only the cost per token counts against a load: the fixed one is paid
+either way, since the request computes its last tokens whatever it loads. The longest prefix whose load wins is
+offered. An idle tier without a recent transfer is assumed fast: its next load measures it again, so a tier that
+recovers is used again; a tier with loads in flight keeps its fit until one completes.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import Counter, defaultdict, deque
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from itertools import combinations
 
 ALPHA = 0.2  # weight of the newest sample in the moving averages
@@ -179,17 +179,29 @@ class Decider:
         return best
 
     def _winning_prefix(self, sources: Sequence[str], tokens: Sequence[int], now: float) -> int:
-        fits = {t: self.links[t].current(now, busy=self.queued[t] > 0) if t in self.links else (0.0, 0.0)
-                for t in set(sources)}
-        waited = {t: self.waited(t, now) for t in fits}
+        per_tier = {t: self._load_seconds(t, now) for t in set(sources)}
         per_token = self.prefill.per_token
         best, recompute_tokens = 0, 0
         blocks: Counter[str] = Counter()
         for k, (tier, n) in enumerate(zip(sources, tokens), start=1):
             blocks[tier] += 1
             recompute_tokens += n
-            load_s = sum(max(waited[t], fits[t][0] + (self.queued[t] + b * self.block_bytes) * fits[t][1])
-                         for t, b in blocks.items())
+            load_s = sum(per_tier[t](b * self.block_bytes) for t, b in blocks.items())
             if load_s <= recompute_tokens * per_token:
                 best = k
         return best
+
+    def _load_seconds(self, tier: str, now: float) -> Callable[[float], float]:
+        """Seconds a load of n more bytes from `tier` is expected to take: its fit, over the bytes queued there and
+        its own; and, once the oldest load in flight there has waited longer than the fit says the queue takes (the
+        tier is behind: stalled, or hung), no less than that wait."""
+        queued = self.queued[tier]
+        latency, per_byte = self.links[tier].current(now, busy=queued > 0) if tier in self.links else (0.0, 0.0)
+        waited = self.waited(tier, now)
+        behind = waited > latency + queued * per_byte
+
+        def seconds(nbytes: float) -> float:
+            expected = latency + (queued + nbytes) * per_byte
+            return max(expected, waited) if behind else expected
+
+        return seconds

@@ -158,11 +158,16 @@ class WorkerSide:
         """Run some of a load's chains: the engine blocks they failed to fill, and each tier's timing."""
         assert self.mover is not None
         indices = [chain[-1].index for chain in chains]  # each chain ends in its block's GET
+        handed = False  # to the mover, which reports every step of a plan it took
         try:
             assert self.pages is not None
-            loaded = self.mover.load(Plan(chains=chains), self.pages.blocks(job.targets), ready, since=started)
+            out = self.pages.blocks(job.targets)
+            handed = True
+            loaded = self.mover.load(Plan(chains=chains), out, ready, since=started)
         except Exception:  # nothing may stay unreported: vLLM would wait for this request forever
             log.exception("kvtier: a load for request %s failed", job.request_id)
+            if not handed:  # nor the scheduler for its steps (pins, queued bytes)
+                self._report([step for chain in chains for step in chain], Status.FAILED)
             loaded = Loaded([False] * len(job.targets), {}, set())
         failed = {b for i in indices if not loaded.delivered[i] for b in job.targets[i] if b is not None}
         timings = []  # what the decision learns tiers' speeds from, and the guard whom to charge
