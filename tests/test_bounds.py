@@ -132,7 +132,9 @@ def test_a_load_the_mover_cannot_start_reports_every_step_failed(tmp_path):
             admit(engine, turn)
             engine.run(turn)
             engine.drain()
-        engine.workers[0].mover._reads.shutdown()  # loads from disk run on this pool
+        mover = engine.workers[0].mover
+        for pool in (mover._reads, *mover._tier_reads.values()):  # loads from disk run on one of these
+            pool.shutdown()
         second = Request("b", document)
         admit(engine, second)
         assert second.is_async and second.promised == 2 * 16  # disk hits

@@ -10,6 +10,7 @@ import torch
 
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
+from kvtier.guard import TierState
 from kvtier.keys import chain_keys
 from tests.conftest import (
     DEMOTE_ALL,
@@ -278,3 +279,40 @@ def test_disk_moves_start_no_openmp_team(tmp_path):
                 assert native_threads_beyond_python() > after
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_tier_on_probe_comes_back_once_the_traffic_moved_on_from_what_it_holds(tmp_path):
+    """r_guard_probe_stuck: nothing is written to a tier on probe, so once the traffic had moved on to new
+    prompts no request ever read it again: healthy, it stayed on probe for good. With no probe for of_windows
+    windows it comes back on, takes writes again, and serves."""
+    now = [0.0]
+    block_tokens, shape = 16, (2, 16, 64)  # 4 KiB blocks
+    config = parse_config({"cpu_bytes_to_use": 4 * 4096, "block_size": block_tokens, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 1 << 24, "write_policy": "write_through",
+         "admission": {"min_sightings": 1}}],
+        "guard": {"ttft_p99_ms": 100, "window_s": 10, "breach_windows": 2, "of_windows": 3, "min_requests": 5,
+                  "hold_s": 30, "probe_share": 0.5}})
+    with TieredCache(config, shape, torch.float16, model="probe", clock=lambda: now[0]) as cache:
+        served = []
+
+        def request(prompt: int, disk_slow: bool) -> None:
+            """A 2-block prefix loaded (what was stored), its latency reported, the prefix stored."""
+            keys = chain_keys([prompt * 1000 + i for i in range(2 * block_tokens)], block_tokens)
+            rid = f"r{len(served)}"
+            cache.load(keys, request=rid)
+            served.append(cache._requests.get(rid))
+            cache.report(rid, ttft_s=2.0 if served[-1] == "disk" and disk_slow else 0.02)
+            cache.store(keys, [torch.full(shape, float(prompt % 100), dtype=torch.float16) for _ in keys])
+            cache.flush()
+            now[0] += 0.25
+
+        while now[0] < 60:  # 40 prompts in turn, the host holds 4 blocks: each comes back from the slow disk
+            request(len(served) % 40, disk_slow=True)
+        assert [(t.tier, t.to) for t in cache.guard.history] == [("disk", TierState.OFF)]
+        first = len(served)
+        while now[0] < 200:  # the disk is healthy; the traffic moved on to 40 new prompts
+            request(1000 + len(served) % 40, disk_slow=False)
+        assert cache.guard.enabled("disk")
+        assert cache.guard.history[-1].reason.startswith("no probe in 3 windows of 10 s read it")
+        assert served[-40:].count("disk") >= 30  # written again, and serving
+        assert served[first:].count("disk") < len(served) - first  # not all along: on probe, nothing was there

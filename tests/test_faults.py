@@ -4,7 +4,8 @@
 - a disk tier on a file system that fills up (a tmpfs mounted with `size=`);
 - tensor parallelism: two worker halves (ranks) in one process, one of them failing writes and reads;
 - a randomized state machine at the connector level: requests, aborts before their output, failing stores and
-  reads, restarts, on real host and disk stores.
+  reads, restarts, on real host and disk stores;
+- a disk whose reads hang (never return until released), beside a healthy Redis.
 The real vLLM engine's aborts and preemptions are in tests/test_vllm.py.
 """
 
@@ -16,6 +17,7 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -26,6 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
+from kvtier.directory import CopyState
 from tests.conftest import DEMOTE_ALL, SIGNED, missing
 from tests.connector_harness import Engine, P, Request
 from tests.connector_harness import content as engine_content
@@ -347,3 +350,128 @@ class ConnectorMachine(RuleBasedStateMachine):
 ConnectorMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
                                               suppress_health_check=[HealthCheck.too_slow])
 TestConnectorMachine = ConnectorMachine.TestCase
+
+
+# ---------------------------------------------------------------- a hung tier
+
+
+class Hung:
+    """Every read of `store` hangs until `release` (a bad sector's retries, an NFS server gone)."""
+
+    def __init__(self, store) -> None:
+        self.gate, self.started, self.ended = threading.Event(), 0, 0
+        read = store.read
+
+        def hung_read(key, into):
+            self.started += 1
+            self.gate.wait()
+            try:
+                return read(key, into)
+            finally:
+                self.ended += 1
+
+        store.read = hung_read
+
+    def release(self) -> None:
+        """Let the hung reads finish; wait until they have."""
+        self.gate.set()
+        for _ in range(1000):
+            if self.ended == self.started:
+                return
+            time.sleep(0.01)
+        raise AssertionError("the hung reads never ended")
+
+
+def h(*path) -> bytes:
+    return hashlib.blake2b(repr(path).encode(), digest_size=16).digest()
+
+
+def test_a_hung_disk_fails_its_loads_at_their_deadline_and_never_holds_up_another_tiers(redis_server, tmp_path):
+    """r_hung_disk_blocks_all_loads, r_guard_blind_to_hangs: loads had no deadline, and every tier's ran on the same
+    two threads: two disk reads that hung held both, and a healthy Redis's load waited as long as the disk hung;
+    the guard heard nothing of requests stuck on it. Each tier's part of a load now has a deadline (the disk's
+    `load_timeout_s`) and threads of its own: the Redis load is served while the disk hangs; the disk loads fail at
+    their deadline (vLLM recomputes their blocks), their late bytes never land in the engine's blocks, nothing
+    stays pinned or queued, and the hang counts against the disk, in the decision and the guard."""
+    redis_tier = {"type": "redis", "url": redis_server.url, "max_bytes": 1 << 26}
+    guard = {"ttft_p99_ms": 100, "window_s": 1, "breach_windows": 1, "of_windows": 1, "min_requests": 1}
+    writer = Engine(parse_config({"cpu_bytes_to_use": 64 * P, "block_size": 16, "engine_block_size": 16, **SIGNED,
+                                  "secondary_tiers": [redis_tier]}))
+    engine = Engine(parse_config({"cpu_bytes_to_use": 4 * P, "block_size": 16, "engine_block_size": 16, **SIGNED,
+                                  "guard": guard,
+                                  "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv"),
+                                                       "max_bytes": 1 << 24, "write_policy": "write_through",
+                                                       **DEMOTE_ALL, "load_timeout_s": 0.5}, redis_tier]}))
+    try:
+        q = [h("q", i) for i in range(2)]
+        admit(writer, stored := Request("w", q))
+        writer.run(stored)
+        writer.drain()  # q is in Redis
+        prompts = {n: [h("p", n, i) for i in range(2)] for n in range(6)}
+        for n, prompt in prompts.items():  # on disk; the host keeps the last two
+            admit(engine, filled := Request(f"fill{n}", prompt, arrival_time=time.time()))
+            engine.run(filled)
+        engine.drain()
+        hung = Hung(engine.workers[0].stores.local["disk"])
+        a, b = (Request(name, prompts[n], arrival_time=time.time()) for name, n in (("a", 0), ("b", 1)))
+        admit(engine, a)
+        admit(engine, b)
+        c = Request("c", q)
+        admit(engine, c)
+        sources = {r: dict(engine.scheduler._requests[r].served) for r in "abc"}
+        assert [set(map(str, s)) for s in sources.values()] == [{"TierKind.DISK"}] * 2 + [{"TierKind.SHARED"}]
+        invalid: set[int] = set()
+        for _ in range(5000):  # the engine steps on; vLLM polls each step for the loads that came in
+            invalid |= engine.step()
+            if all(engine.recving.get(r.request_id) for r in (a, b, c)):
+                break
+            time.sleep(0.002)
+        assert not hung.gate.is_set() and hung.started  # all three reported while the disk still hangs
+        assert set(a.blocks + b.blocks) <= invalid and not set(c.blocks) & invalid  # disk's failed, Redis's served
+        engine.check_loaded(c, invalid)
+        assert engine.wrong == 0
+        for block in a.blocks + b.blocks:  # vLLM recomputes them, or gives them to another request
+            engine.kv[0][block].fill_(0xAB)
+        for request in (a, b):
+            engine.finish(request)  # aborted by its client before its first token: its wait counts
+        hung.release()
+        engine.workers[0].mover.flush()
+        assert all(bool((engine.kv[0][block] == 0xAB).all()) for block in a.blocks + b.blocks)  # no late bytes
+        engine.step()
+        control = engine.scheduler.control
+        assert not engine.scheduler.directory.pinned() and control.decider.queued["disk"] == 0
+        assert control.decider.links["disk"].seconds(2 * P, time.monotonic(), busy=True) >= 0.5  # the hang, measured
+        control.control.tick(time.monotonic() + 1)  # the window closes
+        assert [(t.tier, t.to.value) for t in control.guard.history] == [("disk", "off")]
+        assert "ttft p99" in control.guard.history[0].reason
+    finally:
+        for e in (writer, engine):
+            e.close()
+
+
+def test_a_hung_disk_costs_an_in_process_load_its_deadline_and_no_slot_is_reused_under_it(tmp_path):
+    """TieredCache stages a disk hit through a host slot: past the deadline the load returns without it, while the
+    hung read keeps its slot (a slot is never reused while a transfer may still write it); once the read ends,
+    the block is in host, nothing is pinned, and every block stored meanwhile reads back exactly."""
+    config = disk_config(tmp_path / "kv", 2, 16, load_timeout_s=0.3)
+    with TieredCache(config, SHAPE, DT, model="hung") as cache:
+        keys = [b"k%d" % i for i in range(6)]
+        for key in keys[:4]:  # the host holds 2: k0 and k1 go down to disk
+            cache.store([key], [content(key)])
+            cache.flush()
+        directory = cache.directory
+        assert set(directory.residency(b"k0")) == {"disk"}
+        hung = Hung(cache.stores.local["disk"])
+        assert cache.load([b"k0"]) == []  # its deadline passed: a miss, never a hang
+        assert directory.residency(b"k0")["host"] is CopyState.WRITING  # the read may still write its slot
+        for key in keys[4:]:  # the other slot turns over under it
+            cache.store([key], [content(key)])
+            cache.flush()
+        hung.release()
+        cache.flush()
+        assert not directory.pinned()
+        assert all(set(directory.residency(k).values()) == {CopyState.READY} for k in directory.blocks())
+        for key in [*keys, b"k0"]:
+            got = cache.load([key])
+            assert not got or torch.equal(got[0], content(key)), key
+        assert len(cache.load([b"k0"])) == 1

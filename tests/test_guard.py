@@ -82,7 +82,7 @@ def test_itl_budget_alone_and_per_source_attribution():
     for t in (0.1, 0.2, 0.3):
         guard.observe("redis", t, itl_s=[0.01, 0.2])
         guard.observe("disk", t, itl_s=[0.01, 0.02])
-        guard.observe(RECOMPUTE, t, itl_s=[0.5])
+    guard.observe(RECOMPUTE, 0.4, itl_s=[0.5])  # one request: too few to judge the tiers against
     guard.tick(1.0)
     assert guard.state("redis") is TierState.OFF and guard.enabled("disk") and guard.enabled("host")
     assert guard.window_p99[("redis", "itl")] == pytest.approx(0.2)
@@ -213,3 +213,235 @@ def test_a_tier_the_guard_turned_off_is_read_and_written_by_nothing_and_keeps_it
     d.disabled = frozenset({"host"})
     plan = d.plan_store([b"new-key1"])
     assert not plan.chains and d.stats.stores_dropped["tier_off"] == 1
+
+
+# ---------------------------------------------------------------- the guard, second round (../shared/repro2)
+
+
+def test_a_slow_tier_under_a_healthy_one_in_the_same_request_is_the_one_turned_off():
+    """r_guard_wrong_tier: a request read from disk, then Redis, was charged to Redis (the later tier by
+    configuration), though its disk part took the time: the healthy Redis went off first. Charged by what each
+    tier's part of its load took, it is the disk, and only the disk."""
+    guard = Guard(GuardConfig(ttft_p99_ms=500), TIERS)
+    rng = random.Random(0)
+    t = 0.0
+    while t < 120:
+        skip = guard.route(t)
+        served = [s for s in rng.choice([["disk"], ["disk", "redis"], ["redis"], ["host"]]) if s not in skip]
+        took = {"disk": 1.9, "redis": 0.02, "host": 0.001}  # each tier's part of the load, as the worker times it
+        seconds = {s: took[s] for s in served}
+        guard.observe(request_source(served, TIERS, False, seconds), t, ttft_s=2.0 if "disk" in served else 0.05)
+        t += 0.05
+    assert {tr.tier for tr in guard.history} == {"disk"}
+    assert guard.history[0].to is TierState.OFF and guard.history[0].at == 30  # after its 3 windows, not 6
+    assert guard.enabled("redis") and guard.transitions[("redis", "off")] == 0
+    assert request_source(["disk", "redis"], TIERS, False, {"disk": 1.9, "redis": 0.02}) == "disk"
+    assert request_source(["disk", "redis"], TIERS, False, {"disk": 0.01, "redis": 0.3}) == "redis"
+    assert request_source(["disk", "redis"], TIERS, False, {}) == "redis"  # unmeasured: by configuration
+
+
+def test_an_overloaded_engine_turns_no_tier_off_but_a_tier_worse_than_recompute_still_goes():
+    """r_guard_overload: with the engine itself overloaded, every source broke the budget alike, and the guard
+    turned redis, disk and host off, adding recompute work to the overloaded engine. Judged against what the
+    requests no tier served did in the same windows, no tier is at fault; a tier far worse than them still is."""
+    config = GuardConfig(ttft_p99_ms=500, window_s=10, breach_windows=3, of_windows=5, min_requests=20, hold_s=600)
+    for disk_ttft, off in ((2.0, []), (2.3, []), (6.0, ["disk"])):
+        guard = Guard(config, TIERS)
+        t = 0.0
+        while t < 400:
+            skip = guard.route(t)
+            ttft = {"host": 2.0, "disk": disk_ttft, "redis": 2.0, RECOMPUTE: 2.0, ENGINE: 1.8}
+            for source, seconds in ttft.items():  # the overload: 2 s for everyone
+                if source not in skip:
+                    guard.observe(source, t, ttft_s=seconds)
+            t += 0.4
+        assert [tr.tier for tr in guard.history if tr.to is TierState.OFF] == off, disk_ttft
+        assert guard.window_p99[(RECOMPUTE, "ttft")] == 2.0
+    assert "(without a tier: 2,000 ms)" in guard.history[0].reason
+
+
+def test_a_load_dependent_tier_backs_off_instead_of_flapping_and_always_comes_back():
+    """r_guard_flap: a disk that keeps up with a probe's share of reads, not with all of them, passed its probe,
+    came back, broke the budget again: 14 times off in 30 minutes. Each return that fails doubles the hold (up to
+    max_hold_s); every hold still ends in a probe; a return that holds starts over."""
+    guard = Guard(GuardConfig(ttft_p99_ms=500, max_hold_s=1000), ["host", "disk"])  # 10 s windows, 3 of 5, hold 60
+    t, dt = 0.0, 0.05  # 20 requests/s, every one would read the disk
+    while t < 3600:
+        skip = guard.route(t)
+        if "disk" not in skip:  # slow only under all requests
+            guard.observe("disk", t, ttft_s=2.0 if guard.state("disk") is TierState.ON else 0.1)
+        else:
+            guard.observe(RECOMPUTE, t, ttft_s=0.3)
+        t += dt
+    offs = [tr for tr in guard.history if tr.to is TierState.OFF]
+    probes = [tr for tr in guard.history if tr.to is TierState.PROBE]
+    holds = [round(probe.at - off.at) for off, probe in zip(offs, probes)]  # a hold ends at the next request
+    assert holds == [60, 120, 240, 480, 960, 1000][: len(holds)] and len(holds) >= 5, holds
+    assert len([o for o in offs if o.at < 1800]) <= 5  # it was 14
+    assert "off for 120 s: it broke the budget again 30 s after coming back (1 such returns in a row)" in offs[1].reason
+    assert len(probes) >= len(offs) - 1  # every hold ended in a probe, but maybe the last
+    # a return that holds for max_hold_s starts over: the next breach holds hold_s again
+    guard = Guard(CONFIG.model_copy(update={"max_hold_s": 100}), TIERS)  # hold 30 s
+    feed(guard, 0, 20, {"disk": 0.5})
+    guard.tick(50)
+    feed(guard, 50, 70, {"disk": 0.02})
+    assert guard.enabled("disk")
+    feed(guard, 70, 90, {"disk": 0.5})  # broke again 20 s after its return
+    assert guard.history[-1].reason.endswith("off for 60 s: it broke the budget again 20 s after coming back "
+                                             "(1 such returns in a row)")
+    guard.tick(150)
+    feed(guard, 150, 280, {"disk": 0.02})  # back on at 170, and on for more than max_hold_s
+    feed(guard, 280, 300, {"disk": 0.5})
+    assert guard.history[-1].reason.endswith("off for 30 s")
+
+
+def test_a_tier_on_probe_whose_blocks_no_request_asks_for_comes_back_on():
+    """r_guard_probe_stuck: nothing is written to a tier on probe, so once the traffic moved on from what it held
+    no probe request ever read it, and it stayed on probe for good. After of_windows windows without a probe it
+    comes back on, says why, and is judged on all requests."""
+    guard = Guard(CONFIG, TIERS)
+    feed(guard, 0, 20, {"disk": 0.5, "host": 0.01})
+    guard.tick(50)
+    assert guard.state("disk") is TierState.PROBE
+    assert "disk" in guard.off()  # nothing is written to it while on probe
+    feed(guard, 50, 79, {"host": 0.01, RECOMPUTE: 0.05})  # no request reads the disk any more
+    assert guard.state("disk") is TierState.PROBE
+    guard.tick(80)  # 3 probe windows without a probe
+    assert guard.state("disk") is TierState.ON
+    assert guard.history[-1].reason.startswith("no probe in 3 windows of 10 s read it")
+    feed(guard, 80, 100, {"disk": 0.5})  # still bad, judged on all requests: off again, for longer
+    assert guard.state("disk") is TierState.OFF and "off for 60 s" in guard.history[-1].reason
+
+
+def test_a_slow_tier_that_makes_every_request_queue_is_still_the_one_at_fault():
+    """When a tier's loads hold the engine up, everyone queues and every TTFT breaks the budget alike; the time
+    after the engine took each request up tells the tier's requests (slow loads) from the others (queued only)."""
+    guard = Guard(CONFIG, TIERS)
+    t = 0.0
+    while t < 30:
+        for source, served in (("disk", 2.0), (RECOMPUTE, 0.3), (ENGINE, 0.05)):
+            if source not in guard.route(t):
+                guard.observe(source, t, ttft_s=5.0 + served, served_s=served)  # 5 s in the queue
+        t += 1
+    assert [(tr.tier, tr.to) for tr in guard.history] == [("disk", TierState.OFF)]
+
+
+FAULTS = ("none", "slow", "hung", "load-dependent")
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), fault=st.sampled_from(FAULTS), at_fault=st.sampled_from(["disk", "redis"]),
+       overload=st.booleans(), moves_on=st.booleans())
+def test_the_guard_turns_off_only_the_tier_at_fault_never_flaps_and_always_comes_back(seed, fault, at_fault,
+                                                                                     overload, moves_on):
+    """Requests read from one tier or two in one request; one tier may be at fault (slow, hung: its loads end at
+    their 10 s deadline, or slow only under all requests); the engine may be overloaded (every request queues
+    3 s first); the traffic may move on from what the tier held half way. Whatever the mix: only the tier at fault
+    ever goes off, it comes back on (to fail again) a handful of times at most in 20 minutes (each failed return
+    doubles its hold), and every hold ends in a probe, every probe in a verdict, each on time."""
+    rng = random.Random(seed)
+    config = GuardConfig(ttft_p99_ms=500)  # the defaults: 10 s windows, 3 of 5, 20 requests, hold 60 s
+    guard = Guard(config, TIERS)
+    end, t = 1200.0, 0.0
+    while t < end:
+        skip = guard.route(t)
+        choices = [["host"], ["disk"], ["redis"], ["disk", "redis"], ["host", "disk"], []]
+        if moves_on and t > end / 2:  # nothing the tier at fault holds is asked for any more
+            choices = [c for c in choices if at_fault not in c]
+        served = [s for s in rng.choice(choices) if s not in skip]
+        took = {s: rng.uniform(0.005, 0.02) for s in served}
+        if at_fault in took:
+            slow = {"none": False, "slow": True, "hung": True, "load-dependent": guard.enabled(at_fault)}[fault]
+            took[at_fault] = (10.0 if fault == "hung" else 2.0) if slow else took[at_fault]
+        prefill = 0.05 if served else 0.3
+        queue = 3.0 if overload else 0.0
+        source = request_source(served, TIERS, False, took)
+        after = max(took.values(), default=0.0) + prefill
+        guard.observe(source, t, ttft_s=queue + after, served_s=after)
+        t += 0.1
+    guard.tick(end)
+    assert {tr.tier for tr in guard.history} <= ({at_fault} if fault != "none" else set())
+    assert guard.transitions[(at_fault, "on")] <= 4
+    window, history = config.window_s, list(guard.history)
+    for tr, following in zip(history, history[1:] + [None]):
+        if tr.to is TierState.OFF:  # a hold ends in a probe, on time
+            hold = float(tr.reason.split("off for ")[1].split(" s")[0])
+            assert following is not None or tr.at + hold > end
+            assert following is None or (following.to is TierState.PROBE and following.at - tr.at < hold + 1)
+        elif tr.to is TierState.PROBE:  # a probe ends in a verdict: within budget, broken, or starved
+            limit = (config.of_windows + config.breach_windows + 1) * window
+            assert following is not None or tr.at + limit > end
+            assert following is None or (following.to is not TierState.PROBE and following.at - tr.at <= limit)
+
+
+def test_hold_and_margin_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match=r"max_hold_s \(10\) is below hold_s \(60\)"):
+        parse_guard({"ttft_p99_ms": 1, "max_hold_s": 10})
+    with pytest.raises(ConfigError, match="hold_backoff"):
+        parse_guard({"ttft_p99_ms": 1, "hold_backoff": 0.5})
+    with pytest.raises(ConfigError, match="reference_margin"):
+        parse_guard({"ttft_p99_ms": 1, "reference_margin": -1})
+    assert parse_guard({"ttft_p99_ms": 1, "hold_s": 7200}).longest_hold() == 7200
+
+
+# ---------------------------------------------------------------- the decision, second round
+
+
+def test_the_recompute_cost_is_the_cost_per_token_without_the_steps_fixed_cost():
+    """r_decide_prefill_ratio: a request that loaded its prefix computes a 16-token tail in one step, whose span
+    is mostly the step's fixed cost: the median of span / tokens made a token cost 1.92 ms (0.05 true), and a
+    disk 10x slower than recomputing looked like a win. Fixed and per-token costs are fitted apart."""
+    step, per_token, block_bytes = 0.030, 0.00005, 32 << 20
+    decider = Decider("auto", None, 20_000, block_bytes)
+    for i in range(32):  # 60% tails after a hit, 40% full prefills
+        tokens = 16 if i % 5 < 3 else 2048
+        decider.prefill.add(tokens, step + tokens * per_token)
+    assert decider.prefill.per_token == pytest.approx(per_token, rel=0.01)
+    assert decider.prefill.fixed == pytest.approx(step, rel=0.01)
+    for i in range(6):  # a disk whose one-block loads take 150 ms: recomputing 256 tokens takes 13 ms more
+        decider.transferred("disk", block_bytes, 0.150, now=1000 + i * 0.5)
+    assert decider.blocks_to_load(["disk"], [256], now=1003) == 0
+    assert decider.blocks_to_load(["disk"] * 8, [256] * 8, now=1003) == 0
+    decider.transferred("disk", block_bytes, 0.002, now=1003)  # it heals: 2 ms a block beats 13 ms
+    for i in range(20):
+        decider.transferred("disk", block_bytes, 0.002, now=1003 + i * 0.1)
+    assert decider.blocks_to_load(["disk"] * 8, [256] * 8, now=1006) == 8
+
+
+def test_spans_too_alike_to_fit_apart_keep_the_median_ratio():
+    estimate = Decider("auto", None, 20_000, 1).prefill
+    assert estimate.per_token == pytest.approx(1 / 20_000)  # the prior, before any span
+    for _ in range(10):
+        estimate.add(1000, 0.1)
+    assert estimate.per_token == pytest.approx(1e-4) and estimate.fixed == 0
+
+
+def test_a_tier_whose_loads_hang_is_not_assumed_fast():
+    """r_decide_hung_tier: a tier with no completed transfer for 10 s was assumed fast, though its loads were in
+    flight and not completing: every request with a hit there was sent into it. While loads are in flight its last
+    fit holds, and no load there is expected to take less than the oldest has waited."""
+    block = 32 << 20
+    decider = Decider("auto", None, 5_000, block)  # recomputing a 256-token block: 51 ms
+    now = 0.0
+    for _ in range(5):  # a healthy disk: 20 ms a block
+        decider.transferred("disk", block, 0.020, now)
+        now += 0.1
+    assert decider.blocks_to_load(["disk"] * 4, [256] * 4, now) == 4
+    decider.queued["disk"] += 50 * block  # 50 blocks shipped, none completing
+    assert decider.blocks_to_load(["disk"] * 4, [256] * 4, now + 11) == 0
+    decider.queued["disk"] = 0
+    assert decider.blocks_to_load(["disk"] * 4, [256] * 4, now + 11) == 4  # idle and unmeasured: the next load tells
+    for _ in range(5):  # healthy again
+        decider.transferred("disk", block, 0.020, now + 11)
+    decider.shipped("busy", {"disk": block}, now=now + 11)
+    assert decider.blocks_to_load(["disk"] * 4, [256] * 4, now + 11.01) == 4  # in flight, not late: its fit holds
+    assert decider.blocks_to_load(["disk"] * 4, [256] * 4, now + 11.5) == 0  # 20 ms expected, 500 ms waited
+    decider.landed("busy")
+    # a tier that never completed a load at all: the age of its oldest load in flight is what it costs
+    fresh = Decider("auto", None, 5_000, block)
+    fresh.shipped("load-1", {"redis": block}, now=100.0)
+    assert fresh.blocks_to_load(["redis"], [256], now=100.001) == 1
+    assert fresh.blocks_to_load(["redis"], [256], now=105) == 0
+    assert fresh.waited("redis", 105) == 5
+    fresh.landed("load-1")
+    assert fresh.queued["redis"] == 0 and fresh.blocks_to_load(["redis"], [256], now=105) == 1

@@ -16,6 +16,8 @@ from kvtier.admission import AdmissionRule
 from kvtier.cache import TieredCache
 from kvtier.config import ConfigError, parse_config
 from kvtier.directory import CopyState, Directory, Op, Status, TierSpec
+from kvtier.guard import TierState
+from kvtier.integrations.vllm.control import SchedulerControl
 from kvtier.integrations.vllm.messages import KVTierWorkerMetadata
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.scheduler_stats import SHARED_USAGE_S
@@ -569,3 +571,114 @@ def test_engines_sharing_redis_that_each_reset_once_never_share_a_generation(red
     finally:
         a.close()
         b.close()
+
+
+# ---------------------------------------------------------------- the guard on vLLM's requests (../shared/repro2)
+
+
+def guard_control(guard: dict, mono: list[float], wall: list[float]) -> SchedulerControl:
+    """The scheduler half's guard over a host and a disk tier, on clocks the test moves."""
+    config = parse_config({"cpu_bytes_to_use": 1 << 20, "guard": guard})
+    directory = Directory([TierSpec("host", 1 << 20, 4096, kind=TierKind.HOST), TierSpec("disk", 1 << 24, 8192)])
+    return SchedulerControl(config, directory, 4096, clock=lambda: mono[0], wall=lambda: wall[0])
+
+
+def test_the_connectors_guard_holds_on_a_monotonic_clock_whatever_the_wall_clock_does():
+    """r_guard_wallclock: the connector's guard ran on wall time: the wall clock stepped back an hour right after
+    the disk went off kept it off an hour longer (and closed no window meanwhile). Holds, windows and probes run on
+    a monotonic clock; TTFT is still taken from vLLM's arrival_time, wall time."""
+    mono, wall = [1000.0], [1_700_000_000.0]
+    control = guard_control({"ttft_p99_ms": 100, "window_s": 10, "breach_windows": 2, "of_windows": 3,
+                             "min_requests": 5, "hold_s": 60}, mono, wall)
+    i = 0
+    while control.guard.enabled("disk"):  # every disk request has its first token 0.5 s after it arrived
+        r = SimpleNamespace(request_id=f"r{i}", num_output_tokens=0, arrival_time=wall[0], num_prompt_tokens=64)
+        control.route(r, engine_hit=False)
+        control.served(r, ["disk"], engine_hit=False)
+        mono[0] += 0.5
+        wall[0] += 0.5
+        r.num_output_tokens = 1
+        control.step(STEP)
+        control.finished(r)
+        i += 1
+    assert "ttft p99 500 ms" in control.guard.history[-1].reason  # TTFT: wall time, from arrival_time
+    wall[0] -= 3600  # NTP steps the wall clock back an hour
+    for _ in range(61):  # a minute of steps
+        mono[0] += 1
+        wall[0] += 1
+        control.step(STEP)
+    assert control.guard.state("disk") is TierState.PROBE
+
+
+def test_requests_stuck_on_a_hung_tier_count_against_it_though_they_never_had_a_first_token():
+    """r_guard_blind_to_hangs: the guard learnt only from first tokens and token gaps: requests stuck behind a
+    hung disk, then aborted by their clients, gave it no sample, and the disk was never turned off. A request that
+    ends without a first token counts its wait as its TTFT: it took at least that."""
+    now = [1000.0]
+    control = guard_control({"ttft_p99_ms": 500, "window_s": 10, "breach_windows": 1, "of_windows": 1,
+                             "min_requests": 1, "hold_s": 600}, now, now)
+    for i in range(200):  # 200 requests in 100 s; each got a disk hit, its load hangs, its client gives up after 30 s
+        r = SimpleNamespace(request_id=f"r{i}", num_output_tokens=0, arrival_time=now[0], num_prompt_tokens=4096)
+        control.route(r, engine_hit=False)
+        control.served(r, ["disk"], engine_hit=False)
+        control.step(STEP)
+        now[0] += 0.5
+        if i >= 60:
+            control.finished(SimpleNamespace(request_id=f"r{i - 60}", num_output_tokens=0))
+    assert control.guard.state("disk") is TierState.OFF
+    assert control.guard.history[0].reason.startswith("ttft p99 30,500 ms > 500 ms")  # they waited 30 s and more
+
+
+def charged(redis_server, tmp_path, slow: str) -> list[tuple[str, str]]:
+    """One request whose prefix is read from disk (its first two blocks) and from Redis (its last two), with one
+    of the two tiers slow (its reads sleep): the guard's transitions once its window closes (a budget of 1 ms:
+    whichever tier the request is charged to goes off)."""
+    from tests.connector_harness import Engine as Harness
+    from tests.connector_harness import Request
+    from tests.test_faults import admit, h
+
+    redis_tier = {"type": "redis", "url": redis_server.url, "max_bytes": 1 << 26}
+    guard = {"ttft_p99_ms": 1, "window_s": 3600, "breach_windows": 1, "of_windows": 1, "min_requests": 1}
+    writer = Harness(parse_config({"cpu_bytes_to_use": 64 * P, "block_size": 16, "engine_block_size": 16, **SIGNED,
+                                   "secondary_tiers": [redis_tier]}))
+    engine = Harness(parse_config({"cpu_bytes_to_use": 4 * P, "block_size": 16, "engine_block_size": 16, **SIGNED,
+                                   "guard": guard, "secondary_tiers": [
+                                       {"type": "fs", "root_dir": str(tmp_path / slow), "max_bytes": 1 << 24,
+                                        "write_policy": "write_through", **DEMOTE_ALL}, redis_tier]}))
+    try:
+        prompt = [h(slow, i) for i in range(4)]
+        admit(engine, head := Request("head", prompt[:2], arrival_time=time.time()))
+        engine.run(head)  # the first two blocks on disk (and in Redis)
+        engine.drain()
+        admit(writer, stored := Request("w", prompt))
+        writer.run(stored)
+        writer.drain()  # all four in Redis
+        for name in ("x", "y"):  # the head out of the 4-block host
+            admit(engine, filled := Request(name, [h(slow, name, i) for i in range(2)], arrival_time=time.time()))
+            engine.run(filled)
+        engine.drain()
+        worker = engine.workers[0]
+        if slow == "disk":
+            store, name = worker.stores.local["disk"], "read"
+        else:
+            store, name = worker.stores.shared["redis"], "get_many"
+        real = getattr(store, name)
+        setattr(store, name, lambda *args: (time.sleep(0.3), real(*args))[1])
+        admit(engine, both := Request("both", prompt, arrival_time=time.time()))
+        assert engine.scheduler.served_by_kind("both") == {TierKind.DISK: 32, TierKind.SHARED: 32}
+        engine.run(both)
+        assert engine.wrong == 0
+        control = engine.scheduler.control
+        control.control.tick(time.monotonic() + 3600)
+        return [(t.tier, t.to.value) for t in control.guard.history]
+    finally:
+        writer.close()
+        engine.close()
+
+
+def test_a_request_is_charged_to_the_tier_whose_part_of_its_load_took_longest(redis_server, tmp_path):
+    """r_guard_wrong_tier: a request read from disk, then Redis, was charged to Redis (the later tier by
+    configuration) whatever was slow: a slow disk turned a healthy Redis off. The worker times each tier's part
+    of a load, and the request goes to the tier that took longest."""
+    assert charged(redis_server, tmp_path, slow="disk") == [("disk", "off")]
+    assert charged(redis_server, tmp_path, slow="redis") == [("redis", "off")]

@@ -315,7 +315,10 @@ def test_the_guard_turns_a_slow_disk_off_keeps_host_on_and_brings_the_disk_back_
 
 
 def test_the_decision_recomputes_what_a_slow_disk_would_serve_late(engines, tiny_model, tmp_path):
-    disk = {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20}
+    # a load here may take 4x a recompute (two rounds of reads): on a slow machine, past the default deadline, which
+    # would fail it (vLLM recomputes part of the prefix: another lineage, under the same cached length)
+    disk = {"type": "fs", **DEMOTE_ALL, "root_dir": str(tmp_path / "kv"), "max_bytes": 64 << 20,
+            "load_timeout_s": 600}
     # each disk read sleeps twice a recompute of the prompt on this machine: any load loses to recomputing
     found = slowed(engines, tiny_model, {"cpu_bytes_to_use": 8 << 20, "secondary_tiers": [disk]}, delay="2x",
                    requests=16)

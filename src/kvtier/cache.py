@@ -10,8 +10,9 @@ loaded block is bit-identical to the stored one. Tensors passed to `store` must 
 (vLLM's connector holds its blocks the same way until the store completes).
 
 With a `guard` in the config, callers report each request's latency (`load(..., request=id)`, then
-`report(id, ttft_s=..., itl_s=...)`); the guard attributes it to the tier that served the request's prefix
-and turns a tier off (no reads, no writes, contents kept) while its requests break the budget.
+`report(id, ttft_s=..., itl_s=...)`); the guard attributes it to the tier whose part of the request's load took
+longest and turns a tier off (no reads, no writes, contents kept) while its requests break the budget. Each
+tier's part of a load takes at most its `load_timeout_s`: past it, `load` returns the prefix before that part.
 
 With a `redis` tier, caches of the same namespace (model, dtype, block shape, rank, tenant salt) share it,
 in one process or on many machines: what one stores (written through from its host tier, in the
@@ -163,18 +164,19 @@ class TieredCache:
         with self._lock:
             plan = self.directory.plan_load(keys, shared_end=shared_end, skip=skip)
             self.directory.record_lookup(plan.sources, len(keys))
-            if request is not None and self.guard is not None:
-                self._requests[request] = self.control.source_of(plan.sources, engine_hit=False)
         if out is None:
             out = [torch.empty(self.block_shape, dtype=self.dtype, device=device or "cpu") for _ in plan.keys]
         try:
-            ok = self.mover.load(plan, out, ready=ready_event(out))
+            loaded = self.mover.load(plan, out, ready=ready_event(out))
         finally:
             with self._lock:
                 self.directory.finish_load(plan)
                 garbage = self.directory.take_garbage()
             self.mover.delete(garbage)
-        usable = next((i for i, good in enumerate(ok) if not good), len(plan.keys))
+        if request is not None and self.guard is not None:  # charged to the tier whose part took longest
+            with self._lock:
+                self._requests[request] = self.control.source_of(plan.sources, False, loaded.seconds)
+        usable = next((i for i, good in enumerate(loaded.delivered) if not good), len(plan.keys))
         return list(out[:usable])
 
     def report(self, request: str, ttft_s: float | None = None, itl_s: Sequence[float] = ()) -> None:

@@ -35,6 +35,8 @@ from kvtier.policies import POLICIES
 PolicyName = Literal["lru", "arc", "s3fifo", "priority"]
 assert set(get_args(PolicyName)) == set(POLICIES), "a policy registered in kvtier.policies needs its name here"
 Priority = Annotated[int, Field(ge=0, le=100)]
+DEFAULT_MAX_HOLD_S = 3600.0  # the guard's longest hold unless configured
+LOAD_TIMEOUT_S = 10.0  # a tier's part of a load past this has failed: its blocks are recomputed
 HOST = "host"  # the first tier's name
 SHARED = "redis"  # the shared tier's name
 MAX_TIMEOUT_S = 3600.0  # a socket timeout or a breaker's cooldown
@@ -81,6 +83,7 @@ class FsTierConfig(_Strict):
     max_bytes: PositiveInt
     n_read_threads: PositiveInt = 8
     n_write_threads: PositiveInt = 8
+    load_timeout_s: PositiveFloat = LOAD_TIMEOUT_S  # the longest this tier's part of one load may take
     eviction_policy: PolicyName = "lru"
     write_policy: Literal["write_back", "write_through"] = "write_back"
     admission: DiskAdmissionConfig = DiskAdmissionConfig()
@@ -123,6 +126,7 @@ class RedisTierConfig(_Strict):
     lookup_queue_depth: PositiveInt = 64  # vLLM: lookups in flight at most; past it a request goes on at once
     n_read_threads: PositiveInt = 8
     n_write_threads: PositiveInt = 4
+    load_timeout_s: PositiveFloat = LOAD_TIMEOUT_S  # the longest this tier's part of one load may take
     write_policy: Literal["write_back", "write_through"] = "write_back"
     admission: AdmissionConfig = AdmissionConfig()
     ssl_ca_certs: Path | None = None
@@ -168,10 +172,11 @@ SecondaryTier = Annotated[FsTierConfig | RedisTierConfig, Field(discriminator="t
 
 
 class GuardConfig(_Strict):
-    """The rollback rule (`kvtier.guard`): a tier whose requests break a p99 budget for `breach_windows` of the
-    last `of_windows` windows of `window_s` is turned off (read by nobody, written by nothing, its contents
-    kept) for at least `hold_s`; then `probe_share` of requests read it again, and it comes back once
-    `breach_windows` probe windows in a row are within budget."""
+    """The rollback rule (`kvtier.guard`): a tier whose requests break a p99 budget, and do worse than the requests
+    no tier served by `reference_margin`, in `breach_windows` of the last `of_windows` windows of `window_s` is
+    turned off (read by nobody, written by nothing, its contents kept) for `hold_s`, times `hold_backoff` after
+    each return that broke the budget again, at most `max_hold_s`; then `probe_share` of requests read it again,
+    and it comes back once `breach_windows` probe windows in a row are within budget."""
 
     ttft_p99_ms: PositiveFloat | None = None
     itl_p99_ms: PositiveFloat | None = None
@@ -182,6 +187,14 @@ class GuardConfig(_Strict):
     hold_s: float = Field(60.0, ge=0)
     probe_share: float = Field(0.1, gt=0, le=1)
     order: list[str] | None = None  # when several tiers break the budget at once, the first here goes first
+    # A tier is at fault only where its p99 is also above (1 + this) x the p99 of the window's requests no tier
+    # served (engine hits and recomputes, when they are min_requests or more; else above the budget without the
+    # engine's queue): an engine overloaded on its own breaks the budget for every source alike, and turning
+    # tiers off would only add recompute work to it.
+    reference_margin: float = Field(0.2, ge=0)
+    hold_backoff: float = Field(2.0, ge=1)  # the hold grows by this after each return that broke the budget again
+    # The longest hold (default: an hour, or hold_s if longer); a tier on this long after a return starts over.
+    max_hold_s: float | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> GuardConfig:
@@ -189,7 +202,12 @@ class GuardConfig(_Strict):
             raise ValueError("a guard needs a budget: ttft_p99_ms, itl_p99_ms or both")
         if self.breach_windows > self.of_windows:
             raise ValueError(f"breach_windows ({self.breach_windows}) exceeds of_windows ({self.of_windows})")
+        if self.max_hold_s is not None and self.max_hold_s < self.hold_s:
+            raise ValueError(f"max_hold_s ({self.max_hold_s:g}) is below hold_s ({self.hold_s:g})")
         return self
+
+    def longest_hold(self) -> float:
+        return self.max_hold_s if self.max_hold_s is not None else max(DEFAULT_MAX_HOLD_S, self.hold_s)
 
 
 class KVTierConfig(_Strict):

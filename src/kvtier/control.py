@@ -7,7 +7,7 @@ routed, a latency observed, a tick), the tiers it turned off stop taking writes 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvtier.config import GuardConfig, KVTierConfig
 from kvtier.decide import Decider
@@ -39,10 +39,12 @@ class Control:
         a probe's)."""
         return self.guard.off() if self.guard is not None else frozenset()
 
-    def observe(self, source: str, now: float, ttft_s: float | None = None, itl_s: Sequence[float] = ()) -> None:
-        """One request's latency, attributed to `source` (`source_of`)."""
+    def observe(self, source: str, now: float, ttft_s: float | None = None, itl_s: Sequence[float] = (),
+                served_s: float | None = None) -> None:
+        """One request's latency, attributed to `source` (`source_of`); `served_s`: the part of its TTFT after the
+        engine took it up, where the driver knows it."""
         if self.guard is not None:
-            self.guard.observe(source, now, ttft_s=ttft_s, itl_s=itl_s)
+            self.guard.observe(source, now, ttft_s=ttft_s, itl_s=itl_s, served_s=served_s)
             self._apply()
 
     def tick(self, now: float) -> None:
@@ -50,9 +52,10 @@ class Control:
             self.guard.tick(now)
             self._apply()
 
-    def source_of(self, served: Iterable[str], engine_hit: bool) -> str:
-        """Where a request's prefix came from, for the guard: its slowest tier, the engine's cache, or recompute."""
-        return request_source(served, self.tiers, engine_hit)
+    def source_of(self, served: Iterable[str], engine_hit: bool, seconds: Mapping[str, float] | None = None) -> str:
+        """Where a request's prefix came from, for the guard: the tier whose part of its load took longest
+        (`seconds`, as measured; else the slowest by configuration), the engine's cache, or recompute."""
+        return request_source(served, self.tiers, engine_hit, seconds)
 
     def _apply(self) -> None:
         assert self.guard is not None

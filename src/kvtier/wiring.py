@@ -74,17 +74,20 @@ def redis_store(tier: RedisTierConfig, namespace: str, payload_nbytes: int,
 
 def build_mover(config: KVTierConfig, stores: Stores, report: Reporter, metrics: Metrics,
                 cpus: set[int] | None = None) -> Mover:
-    """The mover's pools: the disk tiers' thread counts (the largest, when there are several; 2 and 2 with no
-    disk tier), the shared tier's own."""
-    local = [tier for _, tier in local_tiers(config)]
+    """The mover's pools: each disk tier's reads on its own, the writes on the disk tiers' largest count (2 and 2
+    with no disk tier), the shared tier's own; each tier's load deadline."""
+    local = local_tiers(config)
     shared = shared_tier(config)
+    timeouts = {name: t.load_timeout_s for name, t in local} | ({shared[0]: shared[1].load_timeout_s} if shared else {})
     return Mover(
         stores, report, metrics,
-        n_read_threads=max((t.n_read_threads for t in local), default=2),
-        n_write_threads=max((t.n_write_threads for t in local), default=2),
+        n_read_threads=max((t.n_read_threads for _, t in local), default=2),
+        n_write_threads=max((t.n_write_threads for _, t in local), default=2),
         queue_depth=config.queue_depth, cpus=cpus,
         n_shared_read_threads=shared[1].n_read_threads if shared else 1,
         n_shared_write_threads=shared[1].n_write_threads if shared else 1,
+        read_threads={name: t.n_read_threads for name, t in local},
+        load_timeouts=timeouts,
     )
 
 

@@ -7,6 +7,6 @@ the caller's tensors and host slots; `pages` an engine's KV pages, whose batches
 
 from kvtier.mover.copy import CallerBlock
 from kvtier.mover.handlers import Reporter
-from kvtier.mover.mover import Mover
+from kvtier.mover.mover import Loaded, Mover
 
-__all__ = ["CallerBlock", "Mover", "Reporter"]
+__all__ = ["CallerBlock", "Loaded", "Mover", "Reporter"]

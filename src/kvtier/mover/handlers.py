@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import mmap
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,6 +20,7 @@ import torch
 
 from kvtier.directory import CALLER, Op, Status, Step
 from kvtier.mover.copy import CallerBlock, copy_blocks, copy_from_slot, copy_into_slot, device_stream
+from kvtier.mover.deadline import Gate
 from kvtier.mover.pages import PagedBlocks
 from kvtier.stores.base import ObjectStore, ReadStatus, SlotStore, Stores
 
@@ -28,14 +30,26 @@ Reporter = Callable[[Sequence[Step], Status], None]  # where a driver learns how
 
 @dataclass
 class CallerIO:
-    """The caller's tensors of one plan, by step index: PUT sources (`blocks`), GET destinations (`out`), and
-    on an accelerator the event its copies must wait for (`kvtier.mover.copy.ready_event`). `report`: where this
-    plan's steps are reported, when not the mover's own reporter (a load's keeps count of what it reported)."""
+    """The caller's tensors of one plan, by step index: PUT sources (`blocks`), GET destinations (`out`), on an
+    accelerator the event its copies must wait for (`kvtier.mover.copy.ready_event`), and for a load under a
+    deadline the gate its copies into `out` pass (`kvtier.mover.deadline`). `report`: where this plan's steps
+    are reported, when not the mover's own reporter (a load's keeps count of what it reported)."""
 
     blocks: Sequence[CallerBlock] = ()
     out: Sequence[CallerBlock] = ()
     ready: Any = None
+    gate: Gate | None = None
     report: Reporter | None = None
+
+
+@contextmanager
+def into_caller(io: CallerIO, index: int) -> Iterator[bool]:
+    """May the caller's block `index` be written (until the block ends)? Not once its load's deadline passed."""
+    if io.gate is None:
+        yield True
+    else:
+        with io.gate.open(index) as allowed:
+            yield allowed
 
 
 class Handler(Protocol):
@@ -68,8 +82,11 @@ class SlotToCaller:
         self.slab = slab
 
     def run(self, step: Step, io: CallerIO) -> Result:
-        with device_stream(io.out, io.ready):
-            copy_from_slot(io.out[step.index], self.slab.slot(slot_of(step.src_slot)), non_blocking=True)
+        with into_caller(io, step.index) as allowed:
+            if not allowed:
+                return Status.FAILED, 0
+            with device_stream(io.out, io.ready):
+                copy_from_slot(io.out[step.index], self.slab.slot(slot_of(step.src_slot)), non_blocking=True)
         return Status.OK, self.slab.payload_nbytes
 
     def run_many(self, steps: Sequence[Step], io: CallerIO) -> None:
@@ -127,8 +144,11 @@ class ObjectToCaller:
         bounce = thread_buffer(self._local, self.store.payload_nbytes)[: self.store.payload_nbytes]
         status, nbytes = _read(self.store, step.key, bounce, self.integrity_failure)
         if status is Status.OK:
-            with device_stream(io.out, io.ready):
-                copy_from_slot(io.out[step.index], torch.frombuffer(bounce, dtype=torch.uint8))
+            with into_caller(io, step.index) as allowed:
+                if not allowed:  # its load's deadline passed: the caller's block is no longer ours
+                    return Status.FAILED, 0
+                with device_stream(io.out, io.ready):
+                    copy_from_slot(io.out[step.index], torch.frombuffer(bounce, dtype=torch.uint8))
         return status, nbytes
 
 

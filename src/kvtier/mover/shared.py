@@ -17,13 +17,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import ExitStack
 
 import torch
 
 from kvtier.directory import CALLER, Status, Step
 from kvtier.metrics import Metrics
 from kvtier.mover.copy import copy_from_slot, device_stream
-from kvtier.mover.handlers import CallerIO, Reporter, slot_of, thread_buffer
+from kvtier.mover.handlers import CallerIO, Reporter, into_caller, slot_of, thread_buffer
 from kvtier.stores.base import PutStatus, ReadStatus, SlotStore, Stores
 
 SHARED_BATCH_BYTES = 32 << 20  # payload bytes in one pipelined call to a shared tier
@@ -191,9 +192,11 @@ class SharedTraffic:
                  delivered: list[bool]) -> None:
         """The blocks that arrived, from their buffers into the caller's blocks."""
         arrived = [(s, b) for s, st, b in zip(steps, statuses, buffers) if st is ReadStatus.OK]
-        with device_stream(io.out, io.ready):
-            for step, buffer in arrived:
-                copy_from_slot(io.out[step.index], torch.frombuffer(buffer, dtype=torch.uint8))
+        with ExitStack() as gates:  # past its load's deadline, a block is no longer ours to write
+            arrived = [(s, b) for s, b in arrived if gates.enter_context(into_caller(io, s.index))]
+            with device_stream(io.out, io.ready):
+                for step, buffer in arrived:
+                    copy_from_slot(io.out[step.index], torch.frombuffer(buffer, dtype=torch.uint8))
         for step, _ in arrived:
             delivered[step.index] = True
 

@@ -12,7 +12,7 @@ from typing import Any
 from kvtier.rollout import client, figures, workload
 from kvtier.rollout.options import Options, step_configs
 from kvtier.rollout.server import MAX_MODEL_LEN, Server, embedded_command, free_port, template_command
-from kvtier.rollout.sizes import TierSizes
+from kvtier.rollout.sizes import RolloutSizes
 
 DRILL_WINDOW_BUDGETS = 3  # the rollback drill's guard window, in budgets: two slowed requests and a margin
 PROBE_REQUESTS = 4  # unique prompts timed one at a time on the first server: the engine's service time
@@ -26,7 +26,7 @@ class Rollout:
     progress: Any
     model: str | None = None
     report: dict = field(default_factory=dict)
-    sizes: TierSizes | None = None
+    sizes: RolloutSizes | None = None
     service_s: float | None = None  # a recomputed prompt's mean end-to-end time, one at a time (`probe`)
 
     # ---------------------------------------------------------------- servers

@@ -23,7 +23,7 @@ RESERVE_SHARE = 0.10  # of the host's memory, for the OS, other services and the
 
 
 @dataclass(frozen=True)
-class TierSizes:
+class RolloutSizes:
     host_bytes: int
     disk_bytes: int
     block_bytes: int  # one kvtier block of the served model
@@ -64,7 +64,7 @@ def bytes_per_token(model: str) -> int:
 
 
 def size_tiers(levels: Sequence[Sequence[Prompt]], token_bytes: int, host_bytes: int | None,
-               disk_bytes: int | None, headroom: int) -> TierSizes:
+               disk_bytes: int | None, headroom: int) -> RolloutSizes:
     """Sizes for a workload sent level after level (`levels`), unless given."""
     block = BLOCK_TOKENS * token_bytes
     elbow = reused = None
@@ -84,7 +84,7 @@ def size_tiers(levels: Sequence[Sequence[Prompt]], token_bytes: int, host_bytes:
         reason.append("disk for the rest of what it reuses")
     else:
         reason.append("disk as --disk-bytes")
-    return TierSizes(host_bytes, disk_bytes, block, elbow, reused, headroom, "; ".join(reason))
+    return RolloutSizes(host_bytes, disk_bytes, block, elbow, reused, headroom, "; ".join(reason))
 
 
 def _reuse_curve(levels: Sequence[Sequence[Prompt]], block_bytes: int) -> tuple[int, int]:

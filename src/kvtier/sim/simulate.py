@@ -189,6 +189,7 @@ def _run(
     cost, block_bytes = setup.cost, setup.block_bytes
     result = SimResult(sim_config)
     ttft = np.zeros(len(requests))
+    served = np.zeros(len(requests))  # each TTFT's part after a server took the request up
     servers = [0.0] * setup.instances
     links = _Links()
     events: list[tuple[float, int, int]] = []  # (time, kind, request); kind 0: prefilled, 1: finished
@@ -201,7 +202,7 @@ def _run(
             if kind == 0:
                 engine.insert(requests[i].blocks[:full])
                 if control is not None:
-                    control.observe(sources_of[i], when, ttft_s=ttft[i])
+                    control.observe(sources_of[i], when, ttft_s=ttft[i], served_s=served[i])
                 continue
             if control is not None:
                 _finished(control, keys[i][:full], requests[i], sources_of[i], when, cost.itl_s)
@@ -216,16 +217,17 @@ def _run(
         sources: list[str] = [ENGINE] * in_engine
         if control is not None and in_engine < len(blocks):
             sources += _load_plan(control, keys[i], request, in_engine, start, cost, links)
-        loaded_at = _load(sources[in_engine:], directory, cost, block_bytes, links, start)
+        loaded_at, took = _load(sources[in_engine:], directory, cost, block_bytes, links, start)
         cached_tokens = max(0, min(len(sources) * bt, request.input_tokens - 1))  # the last token is computed
         prefill = cost.prefill_seconds(request.input_tokens - cached_tokens, cached_tokens)
         done = loaded_at + prefill
         if control is not None:
-            _measured(control.decider, sources[in_engine:], tier_order, block_bytes, loaded_at - start, start)
+            _measured(control.decider, sources[in_engine:], took, block_bytes, start)
             control.decider.prefill.add(request.input_tokens - cached_tokens, prefill)
-        sources_of[i] = request_source(sources, tier_order, in_engine > 0)
+        sources_of[i] = request_source(sources, tier_order, in_engine > 0, took)
         heapq.heappush(servers, done)
         ttft[i] = done - request.timestamp
+        served[i] = done - start
         result.busy_s += done - start
         heapq.heappush(events, (done, 0, i))
         heapq.heappush(events, (done + request.output_tokens * cost.itl_s, 1, i))
@@ -288,17 +290,24 @@ def _priority(request: TraceRequest) -> int:
 
 
 def _load(sources: Sequence[str], directory: Directory | None, cost: CostModel, block_bytes: int, links: _Links,
-          start: float) -> float:
-    """When the blocks from kvtier tiers are in the engine: cold reads pass through host memory, pipelined."""
+          start: float) -> tuple[float, dict[str, float]]:
+    """When the blocks from kvtier tiers are in the engine (cold reads pass through host memory, pipelined), and
+    each tier's part of that, from `start` (what the runtime's workers time)."""
     if not sources or directory is None:
-        return start
+        return start, {}
+    took: dict[str, float] = {}
     cold = Counter(s for s in sources if directory.kind(s) is not TierKind.HOST)
+    hot = Counter(s for s in sources if directory.kind(s) is TierKind.HOST)
     done = links.transfer("pcie", cost.pcie.seconds(len(sources) * block_bytes), start)
+    crossing = done - cost.pcie.seconds(len(sources) * block_bytes)  # when the PCIe link took them
+    for tier, n in hot.items():
+        took[tier] = crossing + cost.pcie.seconds(n * block_bytes) - start
     for tier, n in cold.items():
         first_link = cost.tier_path(directory.kind(tier))[0]
         read = links.transfer(first_link.name, first_link.seconds(n * block_bytes), start)
-        done = max(done, read + cost.pcie.seconds(block_bytes))  # the last block still crosses PCIe
-    return done
+        took[tier] = read + cost.pcie.seconds(block_bytes) - start  # the last block still crosses PCIe
+        done = max(done, start + took[tier])
+    return done, took
 
 
 def _queue(decider: Decider, directory: Directory, cost: CostModel, links: _Links, at: float) -> None:
@@ -308,12 +317,10 @@ def _queue(decider: Decider, directory: Directory, cost: CostModel, links: _Link
         decider.queued[tier.name] = max(0.0, links.free_at[link.name] - at) * link.bytes_per_s
 
 
-def _measured(decider: Decider, loaded: Sequence[str], tier_order: Sequence[str], block_bytes: int, seconds: float,
-              at: float) -> None:
-    """What the runtime measures of a load: its slowest tier's bytes, and how long it took."""
-    if loaded:
-        slowest = request_source(loaded, tier_order, False)
-        decider.transferred(slowest, loaded.count(slowest) * block_bytes, seconds, at)
+def _measured(decider: Decider, loaded: Sequence[str], took: dict[str, float], block_bytes: int, at: float) -> None:
+    """What the runtime measures of a load: each tier's part, its bytes and how long it took."""
+    for tier, seconds in took.items():
+        decider.transferred(tier, loaded.count(tier) * block_bytes, seconds, at)
 
 
 def _count(result: SimResult, request: TraceRequest, sources: Sequence[str], block_bytes: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
@@ -21,6 +22,17 @@ class LoadJob:
     sources: list[str] = field(default_factory=list)  # GET step index -> the tier its block is read from
     unavailable: list[int] = field(default_factory=list)  # engine blocks promised but not loadable: errors
     sync: bool = False  # host hits: loaded before this step's forward, which computes the rest at once
+
+
+class LoadTiming(NamedTuple):
+    """One tier's part of one request's load, as a worker timed it: what the decision fits a tier's speed to, and
+    what the guard charges the request to (the tier whose part took longest)."""
+
+    request_id: str
+    tier: str
+    blocks: int
+    seconds: float  # from the worker's start of the load to the end of this tier's part (or its deadline)
+    outcome: str  # "ok": every block arrived; "expired": the part passed its deadline; "failed"
 
 
 @dataclass
@@ -45,7 +57,7 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     its status is the worst any rank saw (a block is only whole if every shard of it is)."""
 
     completions: dict[int, tuple[Status, int]] = field(default_factory=dict)  # step id -> (status, reports)
-    transfers: list[tuple[dict[str, int], float]] = field(default_factory=list)  # loads: (blocks per tier, seconds)
+    transfers: list[LoadTiming] = field(default_factory=list)  # each tier's part of each load
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)

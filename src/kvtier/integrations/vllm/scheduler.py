@@ -178,7 +178,7 @@ class SchedulerSide:
         self.control.transferred(worker_meta.transfers)
         for pending in self.inflight.report(worker_meta.completions):
             if pending.kind == "load":
-                self.control.shipped(pending.queued, -1)
+                self.control.landed(pending)
                 state = self._requests.get(pending.request_id)
                 if state is not None and state.loading is True:  # synchronous: its errors came in this step
                     self._load_ended(pending.request_id)
@@ -249,7 +249,7 @@ class SchedulerSide:
     def _ship(self, plan: Plan, kind: Kind, request_id: str = "") -> None:
         pending = self.inflight.ship(plan, kind, request_id)
         if pending is not None and kind == "load":
-            self.control.shipped(pending.queued, +1)
+            self.control.shipped(pending, pending.queued)
 
     def _collect_garbage(self) -> None:
         garbage = self.directory.take_garbage()

@@ -12,9 +12,10 @@ import math
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,11 +23,11 @@ import torch
 from kvtier.config import KVTierConfig
 from kvtier.directory import Op, Plan, Status, Step
 from kvtier.integrations.vllm.flush import flush
-from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata, LoadJob, StoreJob
+from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata, LoadJob, LoadTiming, StoreJob
 from kvtier.integrations.vllm.setup import Geometry
 from kvtier.integrations.vllm.stats import Deltas, add_breaker, label
 from kvtier.metrics import Metrics
-from kvtier.mover import Mover
+from kvtier.mover import Loaded, Mover
 from kvtier.mover.copy import ready_event
 from kvtier.mover.pages import Pages
 from kvtier.stores.base import Stores
@@ -35,6 +36,7 @@ from kvtier.wiring import build_mover, build_stores
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.005  # longest an idle step waits for a store or a load: a new request is not held back long
+LOAD_THREADS = 2  # per tier: asynchronous loads of one tier waiting on it at once (each within its deadline)
 
 
 def engine_pages(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[torch.Tensor]:
@@ -52,6 +54,14 @@ def engine_pages(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[to
     return pages
 
 
+@dataclass
+class _Loading:
+    """An asynchronous load's parts (one per tier) not done yet: it is reported once the last is."""
+
+    job: LoadJob
+    parts: int
+
+
 class WorkerSide:
     def __init__(self, config: KVTierConfig, geo: Geometry, rank: int) -> None:
         self.config = config
@@ -65,7 +75,7 @@ class WorkerSide:
         self._sent = threading.Condition(self._lock)  # a held request's blocks are all copied out, or a load is done
         self._loads_running = 0  # asynchronous loads not yet reported
         self._completions: dict[int, Status] = {}
-        self._transfers: list[tuple[dict[str, int], float]] = []  # completed loads: (blocks per tier, seconds)
+        self._transfers: list[LoadTiming] = []  # each tier's part of each load, timed
         self._sending: set[str] = set()
         self._recving: set[str] = set()
         self._load_errors: set[int] = set()
@@ -73,8 +83,7 @@ class WorkerSide:
         self._puts_left: dict[str, set[int]] = {}  # request id -> PUT steps still copying its engine blocks
         # vLLM's CPU backend binds its compute threads to cores; ours may run on any core of the machine
         self._cpus = set(range(os.cpu_count() or 1))
-        self._loading = ThreadPoolExecutor(2, thread_name_prefix="kvtier-load",  # asynchronous loads
-                                           initializer=lambda: os.sched_setaffinity(0, self._cpus))
+        self._loaders: dict[str, ThreadPoolExecutor] = {}  # tier -> the threads its asynchronous loads wait on
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         self.pages = Pages(engine_pages(kv_caches, num_blocks))
@@ -115,37 +124,70 @@ class WorkerSide:
     def _load(self, job: LoadJob) -> None:
         """A synchronous load (host hits) runs here, in the engine's thread, before the forward that needs it. An
         asynchronous one (a slower tier) runs in the background: vLLM goes on stepping the other requests and
-        waits for this one to be reported in `get_finished`, so a slow disk stalls only the request it serves."""
+        waits for this one to be reported in `get_finished`, so a slow disk stalls only the requests it serves.
+        Each tier's part waits on threads of that tier's own, at most its deadline (`load_timeout_s`, then its
+        blocks are errors: vLLM recomputes them), so that a hung disk never holds up a Redis load."""
         assert self.pages is not None
         ready = ready_event(self.pages.tensors)  # here, in the engine's thread: after what its stream queued on them
+        started = time.monotonic()
         if job.sync:
-            self._run_load(job, ready)
-        else:
-            with self._lock:
-                self._loads_running += 1
-            self._loading.submit(self._run_load, job, ready)
+            self._part_done(_Loading(job, 1), *self._run_part(job, job.chains, ready, started))
+            return
+        parts: defaultdict[str, list[list[Step]]] = defaultdict(list)
+        for chain in job.chains:
+            parts[job.sources[chain[-1].index]].append(chain)
+        loading = _Loading(job, len(parts))
+        with self._lock:
+            self._loads_running += 1
+        if not parts:
+            self._part_done(loading, set(), [])
+        for tier, chains in parts.items():
+            self._loader(tier).submit(self._run_async_part, loading, chains, ready, started)
 
-    def _run_load(self, job: LoadJob, ready: Any) -> None:
+    def _loader(self, tier: str) -> ThreadPoolExecutor:
+        pool = self._loaders.get(tier)
+        if pool is None:
+            pool = self._loaders[tier] = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix=f"kvtier-load-{tier}",
+                                                            initializer=lambda: os.sched_setaffinity(0, self._cpus))
+        return pool
+
+    def _run_async_part(self, loading: _Loading, chains: list[list[Step]], ready: Any, started: float) -> None:
+        self._part_done(loading, *self._run_part(loading.job, chains, ready, started))
+
+    def _run_part(self, job: LoadJob, chains: list[list[Step]], ready: Any,
+                  started: float) -> tuple[set[int], list[LoadTiming]]:
+        """Run some of a load's chains: the engine blocks they failed to fill, and each tier's timing."""
         assert self.mover is not None
-        started = time.perf_counter()
-        handed = False  # to the mover, which reports every step of a plan it took, whatever raises
+        indices = [chain[-1].index for chain in chains]  # each chain ends in its block's GET
+        handed = False  # to the mover, which reports every step of a plan it took
         try:
             assert self.pages is not None
             out = self.pages.blocks(job.targets)
             handed = True
-            delivered = self.mover.load(Plan(chains=job.chains), out, ready) if job.chains else []
+            loaded = self.mover.load(Plan(chains=chains), out, ready, since=started)
         except Exception:  # nothing may stay unreported: vLLM would wait for this request forever
             log.exception("kvtier: a load for request %s failed", job.request_id)
             if not handed:  # nor the scheduler for its steps (pins, queued bytes)
-                self._report([step for chain in job.chains for step in chain], Status.FAILED)
-            delivered = [False] * len(job.targets)
-        failed = {b for t, ok in zip(job.targets, delivered) if not ok for b in t if b is not None}
-        # what the decision learns tiers' speeds from: the blocks each tier delivered, and how long it took
-        tiers = Counter(job.sources)
+                self._report([step for chain in chains for step in chain], Status.FAILED)
+            loaded = Loaded([False] * len(job.targets), {}, set())
+        failed = {b for i in indices if not loaded.delivered[i] for b in job.targets[i] if b is not None}
+        timings = []  # what the decision learns tiers' speeds from, and the guard whom to charge
+        for tier, blocks in Counter(job.sources[i] for i in indices).items():
+            whole = all(loaded.delivered[i] for i in indices if job.sources[i] == tier)
+            outcome = "expired" if tier in loaded.expired else "ok" if whole else "failed"
+            seconds = loaded.seconds.get(tier, time.monotonic() - started)
+            timings.append(LoadTiming(job.request_id, tier, blocks, seconds, outcome))
+        return failed, timings
+
+    def _part_done(self, loading: _Loading, failed: set[int], timings: list[LoadTiming]) -> None:
+        job = loading.job
         with self._lock:  # errors before the request is reported: vLLM reads them after get_finished
-            if tiers and not failed:
-                self._transfers.append((dict(tiers), time.perf_counter() - started))
-            self._load_errors |= failed | set(job.unavailable)
+            self._transfers.extend(timings)
+            self._load_errors |= failed
+            loading.parts -= 1
+            if loading.parts > 0:
+                return
+            self._load_errors |= set(job.unavailable)
             if not job.sync:  # vLLM waits for an asynchronous load to be reported; a synchronous one it ran
                 self._recving.add(job.request_id)
                 self._loads_running -= 1
@@ -223,7 +265,8 @@ class WorkerSide:
     def shutdown(self) -> None:
         """vLLM tears the worker down (a graceful stop: SIGTERM with `--shutdown-timeout` > 0): transfers in flight
         finish, then the host tier's blocks go to the first disk tier, for `shutdown_flush_s` at most."""
-        self._loading.shutdown(wait=True)
+        for pool in self._loaders.values():
+            pool.shutdown(wait=True)
         if self.mover is not None:
             self.mover.close()
         if self.stores is not None:
