@@ -186,6 +186,29 @@ def test_a_graceful_stop_flushes_host_within_the_disk_tier_bound_and_a_restart_s
         again.close()
 
 
+def test_a_graceful_stop_after_a_cache_reset_writes_none_of_the_old_blocks_to_disk(tmp_path):
+    """The flush writes what each host slot holds, as the slab labels it. After vLLM's reset_prefix_cache (a
+    weight update in place) the host slots hold KV of the old weights, freed but not overwritten: the workers
+    forget their labels at the reset, so a graceful stop writes none of them back to disk for a restart to serve."""
+    root = tmp_path / "kv"
+    config = parse_config({"cpu_bytes_to_use": 8 * 4096, "block_size": 16, "engine_block_size": 16,
+                           "secondary_tiers": [{"type": "fs", "root_dir": str(root), "max_bytes": 64 * 8192}]})
+    engine = Engine(config)
+    try:
+        turn = Request("old", [h("old", i) for i in range(3)])
+        admit(engine, turn)
+        engine.run(turn)
+        engine.drain()
+        host = engine.workers[0].stores.host
+        assert len(host.labelled()) == 3 and block_files(root) == 0  # in host only (write_back)
+        engine.scheduler.reset_cache()
+        engine.step()
+        assert host.labelled() == []
+    finally:
+        engine.close()  # the graceful stop: the worker's flush
+    assert block_files(root) == 0
+
+
 def test_a_host_tier_larger_than_the_disk_tier_flushes_only_what_the_disk_tier_holds(tmp_path):
     """The issue's case: 32 host blocks, a disk tier of 4. The stop writes 4 (parents before their children), and
     a restart adopts all 4: no orphan to delete, nothing past the bound to trim. Before: 32 files, 8x max_bytes."""

@@ -161,6 +161,10 @@ class HostSlab:
         the directory, which may live in another process: a graceful stop's flush."""
         self._labels[i] = block
 
+    def forget_labels(self) -> None:
+        """No slot holds a block any more (the cache was reset: what they hold must never be written out)."""
+        self._labels = [None] * self.num_slots
+
     def labelled(self) -> list[tuple[int, bytes, bytes | None]]:
         """(slot, key, parent) of every slot a block was last written to; the slot may have been freed since."""
         return [(i, *block) for i, block in enumerate(self._labels) if block is not None]

@@ -49,6 +49,7 @@ class KVTierMetadata(KVConnectorMetadata):
     stores: list[StoreJob] = field(default_factory=list)
     deletes: list[Step] = field(default_factory=list)  # garbage: files of dropped blocks
     idle: bool = False  # the engine computes nothing this step: a worker may wait for its stores instead
+    reset: bool = False  # the cache was reset: no host slot holds a block a graceful stop may write to disk
 
 
 @dataclass

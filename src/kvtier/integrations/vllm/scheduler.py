@@ -64,6 +64,7 @@ class SchedulerSide:
         self._loads: list[LoadJob] = []
         self._stores: list[StoreJob] = []
         self._deletes: list[Step] = []
+        self._reset = False
         self._generation = b""  # appended to every key once vLLM reset its prefix cache (see reset_cache)
         recover_ranks(config, geometry, self.directory)
         log.info("kvtier: %s", self.stats.describe(config))
@@ -146,6 +147,7 @@ class SchedulerSide:
         ranks get it through the keys of its plans) and this run's: a restart reloads the weights from their files,
         which name the namespace again, and starts with none."""
         self._generation = secrets.token_bytes(GENERATION_BYTES)
+        self._reset = True  # the workers forget what their host slots held (`KVTierMetadata.reset`)
         self.directory.drop_all()
         for state in self._requests.values():
             state.asked = state.promise = None
@@ -164,8 +166,8 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         self.control.step(scheduler_output)
         idle = scheduler_output.total_num_scheduled_tokens == 0
-        meta = KVTierMetadata(self._loads, self._stores, self._deletes, idle)
-        self._loads, self._stores, self._deletes = [], [], []
+        meta = KVTierMetadata(self._loads, self._stores, self._deletes, idle, self._reset)
+        self._loads, self._stores, self._deletes, self._reset = [], [], [], False
         return meta
 
     def update_connector_output(self, worker_meta: KVTierWorkerMetadata | None,

@@ -100,6 +100,8 @@ class WorkerSide:
 
     def start(self, meta: KVTierMetadata) -> None:
         assert self.mover is not None, "register_kv_caches first"
+        if meta.reset and self.stores is not None:  # a stop's flush must not write the old blocks back to disk
+            self.stores.host.forget_labels()
         if meta.deletes:
             self.mover.delete(meta.deletes)
         for store in meta.stores:
