@@ -52,9 +52,10 @@ def test_the_rollout_on_the_embedded_default(tmp_path, served_model):
     assert report["exact"] is True
     capacity, tiers = report["capacity"], report["tiers"]
     assert capacity["service_s"] > 0 and capacity["think_s"] == 0.2
-    # the host tier at the elbow of the workload's reuse curve, the disk tier for the rest, in the tiny model's
-    # 512 KiB blocks; and what the servers were started with
-    assert tiers["block_bytes"] == 256 * 2048 and tiers["host_bytes"] == tiers["elbow_bytes"] > 0
+    # the host tier at the elbow of the workload's reuse curve (1.5x the engine's 12 MiB of KV at least), the disk
+    # tier for the rest, in the tiny model's 512 KiB blocks; and what the servers were started with
+    assert tiers["block_bytes"] == 256 * 2048 and tiers["elbow_bytes"] > 0
+    assert tiers["host_bytes"] == max(tiers["elbow_bytes"], 3 * 48 * 128 * 2048 // 2)
     assert tiers["disk_bytes"] >= tiers["reused_bytes"] - tiers["host_bytes"] and tiers["disk_bytes"] > 0
     assert steps["host"]["config"]["cpu_bytes_to_use"] == tiers["host_bytes"]
     assert steps["host+disk"]["config"]["secondary_tiers"][0]["max_bytes"] == tiers["disk_bytes"]
@@ -67,8 +68,9 @@ def test_the_rollout_on_the_embedded_default(tmp_path, served_model):
             assert level["ttft_ms"]["n"] == 12 and set(level["itl_ms"]) == {"p50", "p95", "p99", "n"}
             assert level["load"]["clients"] == clients and 0 < level["load"]["busy_share"] <= 1
             same_as_the_clients(level)
-        finding = report["findings"][name]
-        assert finding["reused_n"] + finding["unique"][0]["n"] == 12 and finding["gap_closed"] is not None
+        if name != "baseline":
+            finding = report["findings"][name]
+            assert finding["reused_n"] + finding["unique"][0]["n"] == 12 and finding["gap_closed"] is not None
     host_levels = steps["host"]["levels"]
     # lookup_tokens counts what a tier served; a hit the load-or-recompute decision declined (it judged recomputing
     # faster: timing, contention) is counted as a decision of that tier instead
@@ -141,11 +143,12 @@ def test_your_own_server_gets_the_sizes_and_the_disk_root_you_give(tmp_path, ser
                            "--json", str(out)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     step = json.loads(out.read_text())["steps"][0]
-    assert step["startup_line"].startswith("tiers host 24 MiB (48 blocks"), step["startup_line"]
+    assert step["startup_line"].startswith("tiers host 24 MiB ("), step["startup_line"]
     disk = step["config"]["secondary_tiers"][0]
     assert Path(disk["root_dir"]).parent == root
     assert f"disk {disk['max_bytes'] / 2**20:,.0f} MiB" in step["startup_line"]
-    assert list(root.rglob("*.kv")), "the disk tier's files are under --disk-root"
+    lost = {d["drill"]: d for d in step["drills"]}["cache loss"]  # the drill deleted the tier's files: they were here
+    assert Path(lost["root_dir"]).is_relative_to(root) and lost["files_deleted"] > 0
     assert all(d["passed"] for d in step["drills"]), [d["outcome"] for d in step["drills"]]
 
 

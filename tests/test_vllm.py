@@ -182,8 +182,11 @@ def test_full_store_queue_drops_stores_counts_them_and_requests_complete(engines
 
 def redis_tier(server, **extra) -> dict:
     """A throwaway redis-server on loopback, trusted (unsigned blocks): the engine tests test the tier's path, and the
-    signed path is test_signed's and test_cache_redis'."""
-    return {"type": "redis", "url": server.url, "max_bytes": 1 << 30, "trusted_network": True, **extra}
+    signed path is test_signed's and test_cache_redis'. Its lookups may take their time: on a machine as busy as a
+    CPU engine makes it, the first one (which connects) can take longer than the default deadline, and these tests
+    are about what Redis serves, not about going on without it (test_bounds)."""
+    return {"type": "redis", "url": server.url, "max_bytes": 1 << 30, "trusted_network": True,
+            "lookup_deadline_s": 10, **extra}
 
 
 def test_a_second_engine_gets_the_first_engines_prefix_from_redis(engines, tiny_model, engine_only, redis_server):

@@ -104,13 +104,15 @@ class Analysis:
     def elbow_blocks(self) -> int:
         """The capacity (blocks) at the elbow of the token hit curve: where it departs most from the straight line
         from no cache to a cache that hits every reuse, past which more capacity buys the least per block (the
-        "kneedle" point of a concave curve). 0 without reuse."""
+        "kneedle" point of a concave curve); where the curve never rises above that line, all of it. 0 without
+        reuse."""
         top = self.blocks_for(1.0)
         hits = self.mrc.hit_tokens[: top + 1]
         if top == 0 or hits[-1] == 0:
             return 0
         gain = hits / hits[-1] - np.arange(top + 1) / top
-        return int(np.argmax(gain))
+        best = int(np.argmax(gain))
+        return best if gain[best] > 0 else top  # no returns diminish before the end: every reuse is the hot set
 
     def tier_hit_ratios(self) -> dict[str, float]:
         """Approximate hit ratios per deployment step, as an LRU of the capacity the step adds up to.

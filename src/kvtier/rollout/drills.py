@@ -1,7 +1,7 @@
 """Step 6's drills for the secondary tier, and step 7's drill that breaks the budget.
 
-Before them, a fill phase (a hot set of its own) has the host tier, sized for one hot set, let the first level's
-go: the drills find those prefixes on disk, as a tier's prefixes are after a change of traffic.
+Before them, a fill phase (new prompts of one and a half host tiers) has the host tier let the first level's
+prefixes go: the drills find them on disk, as a tier's prefixes are after a change of traffic.
 - promotion burst: every reused prefix of the first level at once, most of them on disk only;
 - storage pressure: the tier's file system full (injected: `kvtier.rollout.faults`) while new prefixes arrive;
   writes must fail as dropped stores, never as failed requests;
@@ -27,7 +27,8 @@ from kvtier.rollout.sizes import BLOCK_TOKENS
 from kvtier.rollout.workload import QUESTION_TOKENS, REUSE_TOKENS, VOCAB
 
 DISK_ENABLED = 'kvtier_tier_enabled{tier="disk"}'
-FILL_REQUESTS = 20  # a hot set of its own: the host tier, sized for one, lets the first level's go to disk
+FILL_HOSTS, FILL_WORKLOADS = 1.5, 4  # the fill phase: new prompts of 1.5 host tiers, from 4 workloads at most
+STORAGE_REQUESTS = 20  # new prompts while the disk is full: the host tier evicts, its writes to disk fail
 
 
 def prefixes(ro: Rollout) -> list[client.Prompt]:
@@ -43,10 +44,23 @@ def prefixes(ro: Rollout) -> list[client.Prompt]:
     return out
 
 
+def fill(ro: Rollout, first_salt: int) -> list[client.Prompt]:
+    """New workloads' prompts (other tokens) holding FILL_HOSTS times the host tier's bytes, FILL_WORKLOADS of them
+    at most: after them the host tier holds none of the first level's prefixes."""
+    assert ro.sizes is not None
+    need = FILL_HOSTS * ro.sizes.host_bytes * BLOCK_TOKENS / ro.sizes.block_bytes  # tokens
+    prompts: list[client.Prompt] = []
+    for salt in range(first_salt, first_salt + FILL_WORKLOADS):
+        if sum(len(p.tokens) for p in prompts) >= need:
+            break
+        prompts += ro.workload(salt)
+    return prompts
+
+
 def secondary(ro: Rollout, server: Server, step: str) -> list[dict]:
-    """The secondary tier's drills. The first level's prefixes were stored long ago; a fill phase (a hot set of
-    its own, with other tokens) has the host tier let them go, so that most are on disk only."""
-    ro.measure(server, "drills: filling the host tier", ro.workload(201)[:FILL_REQUESTS])
+    """The secondary tier's drills. The first level's prefixes were stored long ago; a fill phase (`fill`) has the
+    host tier let them go, so that most are on disk only."""
+    ro.measure(server, "drills: filling the host tier", fill(ro, 201))
     drills = []
     every = prefixes(ro)
     burst = ro.measure(server, "drill: promotion burst", every, client.Load(clients=len(every)))
@@ -55,30 +69,31 @@ def secondary(ro: Rollout, server: Server, step: str) -> list[dict]:
 
     faults.set_full(ro.root, True)  # new prefixes, enough for the host tier to evict: its writes to disk fail
     try:
-        full = ro.measure(server, "drill: storage pressure", ro.workload(101)[:FILL_REQUESTS])
+        full = ro.measure(server, "drill: storage pressure", ro.workload(101)[:STORAGE_REQUESTS])
     finally:
         faults.set_full(ro.root, False)
     failed = full["kvtier"].get('kvtier_stores_dropped_total{reason="disk_failed"}', 0)
     drills.append(outcome("storage pressure", full, "disk writes fail with ENOSPC (injected)", failed > 0,
                           f"{failed:.0f} stores dropped as disk_failed, requests unaffected", injected=True))
 
-    # After the restart the host tier is empty: every prefix is on disk only. The restart drill reads half of
-    # them back (into the host tier); the cache loss drill the other half, whose own blocks only the disk had.
     server.kill()
     server.start()
     ready_s = ro.ready(server, "drill: restart")
-    restarted = ro.measure(server, "drill: restart", every[::2])
+    restarted = ro.measure(server, "drill: restart", every)
     drills.append(outcome("restart", restarted, "kill -9 of the server, then the same configuration",
                           restarted["tokens"]["disk"] > 0, f"ready again after {ready_s:.0f} s; the prefixes came "
                           "back from disk"))
 
+    ro.measure(server, "drills: filling the host tier again", fill(ro, 301))  # the prefixes on disk only again
     root = ro.disk_root(step)
+    files = sum(1 for _ in root.rglob("*.kv"))
     for entry in root.iterdir():
         shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-    lost = ro.measure(server, "drill: cache loss", every[1::2])
+    lost = ro.measure(server, "drill: cache loss", every)
     gone = lost["kvtier"].get('kvtier_evictions_total{reason="lost",tier="disk"}', 0)
-    drills.append(outcome("cache loss", lost, "every file of the disk tier deleted under the running server",
-                          gone > 0, f"{gone:.0f} blocks found gone when read: recomputed, every request answered"))
+    drills.append({**outcome("cache loss", lost, f"every file of the disk tier ({files} under {root}) deleted under "
+                             "the running server", gone > 0, f"{gone:.0f} blocks found gone when read: recomputed, "
+                             "every request answered"), "files_deleted": files, "root_dir": str(root)})
     return drills
 
 

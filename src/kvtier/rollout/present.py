@@ -20,7 +20,7 @@ def tables(report: dict) -> list[Any]:
                    "bit for bit", title_justify="left")
     for col in ("step", "load", "busy", "queue ms", "TTFT ms p50/p95/p99 (n)", "ITL ms p50/p99", "e2e p99",
                 *SOURCES, "errors", "in budget", "exact"):
-        levels.add_column(col, justify="left" if col == "step" else "right", no_wrap=True)
+        levels.add_column(col, justify="left" if col == "step" else "right", overflow="fold")
     for s in report["steps"]:
         for i, level in enumerate(s.get("levels", [])):
             t, itl, tok, load = level["ttft_ms"], level["itl_ms"], level["tokens"], level["load"]

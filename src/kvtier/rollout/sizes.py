@@ -1,7 +1,8 @@
 """Tiers sized by the method: what the host can give, and what the workload about to be sent reuses.
 
 The host tier sits at the elbow of the workload's LRU reuse curve (`kvtier analyze`'s own curve, in the served
-model's bytes per kvtier block): the capacity past which more bytes buy little, the hot set. It is capped by the
+model's bytes per kvtier block): the capacity past which more bytes buy little, the hot set; at least 1.5 times the
+engine's own KV where that is known (a smaller one holds little the engine does not). It is capped by the
 host's headroom (the memory available now, less a tenth of the host kept for the OS, other services and the disk
 tier's page cache). The disk tier takes the rest of what the workload reuses: what an unbounded cache would need
 beyond the host tier, at least `MIN_DISK_BLOCKS`. Flags override both (`Options.check` refuses a host size over
@@ -19,6 +20,7 @@ from kvtier.rollout.client import Prompt
 
 BLOCK_TOKENS = 256  # kvtier's block in the rollout's steps
 MIN_DISK_BLOCKS = 64  # the drills need room for the prefixes they put on disk
+ENGINE_FLOOR = 1.5  # a host tier at least this many times the engine's own KV, where that is known
 RESERVE_SHARE = 0.10  # of the host's memory, for the OS, other services and the disk tier's page cache
 
 
@@ -64,8 +66,10 @@ def bytes_per_token(model: str) -> int:
 
 
 def size_tiers(levels: Sequence[Sequence[Prompt]], token_bytes: int, host_bytes: int | None,
-               disk_bytes: int | None, headroom: int) -> RolloutSizes:
-    """Sizes for a workload sent level after level (`levels`), unless given."""
+               disk_bytes: int | None, headroom: int, engine_bytes: int | None = None) -> RolloutSizes:
+    """Sizes for a workload sent level after level (`levels`), unless given. `engine_bytes`: the engine's own KV,
+    when known: a host tier holds what the engine computed, so one no larger than ENGINE_FLOOR times it would
+    hold little the engine does not (`kvtier plan`'s host check)."""
     block = BLOCK_TOKENS * token_bytes
     elbow = reused = None
     reason = []
@@ -73,9 +77,13 @@ def size_tiers(levels: Sequence[Sequence[Prompt]], token_bytes: int, host_bytes:
         elbow, reused = _reuse_curve(levels, block)
     if host_bytes is None:
         assert elbow is not None
-        host_bytes = max(block, min(elbow, headroom))
-        capped = " (capped by the host's headroom)" if elbow > headroom else ""
-        reason.append(f"host at the elbow of the workload's reuse curve{capped}")
+        floor = int(ENGINE_FLOOR * engine_bytes) if engine_bytes else block
+        host_bytes = min(max(elbow, floor), headroom)
+        capped = " (capped by the host's headroom)" if max(elbow, floor) > headroom else ""
+        if floor > elbow:
+            reason.append(f"host at {ENGINE_FLOOR}x the engine's KV, above the workload's elbow{capped}")
+        else:
+            reason.append(f"host at the elbow of the workload's reuse curve{capped}")
     else:
         reason.append("host as --host-bytes")
     if disk_bytes is None:

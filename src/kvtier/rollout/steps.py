@@ -32,7 +32,9 @@ def size(ro: Rollout) -> None:
     """The tiers of the kvtier steps, before any server starts: a size the host cannot give is refused here."""
     model = ro.opts.model if ro.opts.command else ro.model
     token_bytes = bytes_per_token(model) if model is not None else 1  # unused: both sizes given (Options.check)
-    ro.sizes = size_tiers(ro.sent_workloads(), token_bytes, ro.opts.host_bytes, ro.opts.disk_bytes, headroom_now())
+    engine = None if ro.opts.command else ENGINE_BLOCKS * ENGINE_BLOCK_TOKENS * token_bytes  # the embedded server's
+    ro.sizes = size_tiers(ro.sent_workloads(), token_bytes, ro.opts.host_bytes, ro.opts.disk_bytes, headroom_now(),
+                          engine)
     ro.report["tiers"] = ro.sizes.as_dict()
 
 
