@@ -42,7 +42,11 @@ class Rollout:
                         model=None if self.opts.command else self.model)
         self.ready(server, name)
         if self.service_s is None:
-            self.probe(server)
+            try:
+                self.probe(server)
+            except BaseException:
+                server.kill()
+                raise
         return server
 
     def ready(self, server: Server, name: str) -> float:
