@@ -1,8 +1,9 @@
 """Step 6's drills for the secondary tier, and step 7's drill that breaks the budget.
 
-Before them, a fill phase (new prompts of one and a half host tiers) has the host tier let the first level's
-prefixes go: the drills find them on disk, as a tier's prefixes are after a change of traffic.
-- promotion burst: every reused prefix of the first level at once, most of them on disk only;
+Before them, a fill phase (new unique prompts of a host tier and a quarter) has the host tier let the last level's
+prefixes go to disk: the drills find them there, as a tier's prefixes are after a change of traffic. (A fill of
+reused prompts, or of more, would have the disk let them go too: it is sized for the levels' reuse.)
+- promotion burst: every reused prefix of the last level at once, most of them on disk only;
 - storage pressure: the tier's file system full (injected: `kvtier.rollout.faults`) while new prefixes arrive;
   writes must fail as dropped stores, never as failed requests;
 - restart: kill -9 of the whole server, then the same configuration again: what the disk tier kept comes back;
@@ -14,6 +15,7 @@ host evicts), until the guard turns the disk off, then heals it until the guard 
 
 from __future__ import annotations
 
+import math
 import random
 import shutil
 import time
@@ -24,19 +26,19 @@ from kvtier.rollout import client, faults
 from kvtier.rollout.harness import Rollout
 from kvtier.rollout.server import Server
 from kvtier.rollout.sizes import BLOCK_TOKENS
-from kvtier.rollout.workload import QUESTION_TOKENS, REUSE_TOKENS, VOCAB
+from kvtier.rollout.workload import QUESTION_TOKENS, REUSE_TOKENS, UNIQUE_TOKENS, VOCAB
 
 DISK_ENABLED = 'kvtier_tier_enabled{tier="disk"}'
-FILL_HOSTS, FILL_WORKLOADS = 1.5, 4  # the fill phase: new prompts of 1.5 host tiers, from 4 workloads at most
+FILL_HOSTS = 1.25  # the fill phase: new unique prompts of 1.25 host tiers (the host is not an exact LRU)
 STORAGE_REQUESTS = 20  # new prompts while the disk is full: the host tier evicts, its writes to disk fail
 
 
 def prefixes(ro: Rollout) -> list[client.Prompt]:
-    """The first level's reused prompts, one for each prefix they reuse (a prompt less its own last
-    QUESTION_TOKENS): what the levels stored, and by the drills' fill, on disk."""
+    """The last level's reused prompts, one for each prefix they reuse (a prompt less its own last
+    QUESTION_TOKENS): what the levels stored last, and by the drills' fill, on disk."""
     seen: set[tuple[int, ...]] = set()
     out = []
-    for p in ro.workload(1):
+    for p in ro.workload(ro.opts.loads):
         key = tuple(p.tokens[: max(REUSE_TOKENS, len(p.tokens) - QUESTION_TOKENS)])
         if p.reused and key not in seen:
             seen.add(key)
@@ -44,27 +46,24 @@ def prefixes(ro: Rollout) -> list[client.Prompt]:
     return out
 
 
-def fill(ro: Rollout, first_salt: int) -> list[client.Prompt]:
-    """New workloads' prompts (other tokens) holding FILL_HOSTS times the host tier's bytes, FILL_WORKLOADS of them
-    at most: after them the host tier holds none of the first level's prefixes."""
+def fill(ro: Rollout, salt: int) -> list[client.Prompt]:
+    """New prompts that share nothing (random tokens) holding FILL_HOSTS times the host tier's bytes: after them the
+    host tier holds none of the last level's prefixes, and the disk has let go only its oldest blocks."""
     assert ro.sizes is not None
     need = FILL_HOSTS * ro.sizes.host_bytes * BLOCK_TOKENS / ro.sizes.block_bytes  # tokens
-    prompts: list[client.Prompt] = []
-    for salt in range(first_salt, first_salt + FILL_WORKLOADS):
-        if sum(len(p.tokens) for p in prompts) >= need:
-            break
-        prompts += ro.workload(salt)
-    return prompts
+    rng = random.Random(f"fill/{ro.opts.seed}/{salt}")
+    return [client.Prompt([rng.randrange(3, VOCAB) for _ in range(UNIQUE_TOKENS)], "fill", 2)
+            for _ in range(math.ceil(need / UNIQUE_TOKENS))]
 
 
 def secondary(ro: Rollout, server: Server, step: str) -> list[dict]:
-    """The secondary tier's drills. The first level's prefixes were stored long ago; a fill phase (`fill`) has the
-    host tier let them go, so that most are on disk only."""
+    """The secondary tier's drills. A fill phase (`fill`) has the host tier let the last level's prefixes go, so
+    that most are on disk only."""
     ro.measure(server, "drills: filling the host tier", fill(ro, 201))
     drills = []
     every = prefixes(ro)
     burst = ro.measure(server, "drill: promotion burst", every, client.Load(clients=len(every)))
-    drills.append(outcome("promotion burst", burst, f"every reused prefix of the first level ({len(every)}) at once",
+    drills.append(outcome("promotion burst", burst, f"every reused prefix of the last level ({len(every)}) at once",
                           burst["tokens"]["disk"] > 0, "the disk served part of the burst"))
 
     faults.set_full(ro.root, True)  # new prefixes, enough for the host tier to evict: its writes to disk fail

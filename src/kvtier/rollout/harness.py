@@ -16,7 +16,8 @@ from kvtier.rollout.sizes import RolloutSizes
 
 DRILL_WINDOW_BUDGETS = 3  # the rollback drill's guard window, in budgets: two slowed requests and a margin
 PROBE_REQUESTS = 4  # unique prompts timed one at a time on the first server: the engine's service time
-BUSIEST = 0.9  # the busiest closed-loop level keeps an engine this busy, were every prompt recomputed
+BUSIEST = 0.8  # the busiest closed-loop level has a request in flight this share of its time, were every prompt
+#   recomputed: below the 0.9 that marks a level saturated, for requests that run longer side by side
 
 
 @dataclass
@@ -76,12 +77,14 @@ class Rollout:
                                    "probe_requests": len(ok), "think_s": self.think_s()}
 
     def think_s(self) -> float:
-        """Each closed-loop client's mean think time: as given, or such that the busiest level's clients, were the
-        engine one request at a time, keep it busy a BUSIEST share of the time."""
+        """Each closed-loop client's mean think time: as given, or such that the busiest level's N clients, each
+        request taking the service time S and each client thinking on its own, keep a request in flight a BUSIEST
+        share of the time: 1 - (1 - S / (S + think))^N = BUSIEST."""
         if self.opts.think_s is not None:
             return self.opts.think_s
         assert self.service_s is not None
-        return self.service_s * max(0.0, max(self.opts.levels) / BUSIEST - 1)
+        in_flight = 1 - (1 - BUSIEST) ** (1 / max(self.opts.levels))  # each client's share with a request out
+        return self.service_s * (1 / in_flight - 1)
 
     def loads(self) -> list[client.Load]:
         if self.opts.rates:
