@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,5 +98,8 @@ def step_configs(path: Path) -> dict[str, dict]:
 def _writable(folder: Path) -> None:
     if not folder.is_dir():
         raise ValueError(f"--disk-root {folder}: no such folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"--disk-root {folder}: not writable")
+    try:  # a file made and removed: permission bits do not say it for root, nor for a file system mounted read-only
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(f"--disk-root {folder}: not writable ({e.strerror})") from None
