@@ -104,6 +104,17 @@ class Engine:
         request.num_computed_tokens = promised
         return True
 
+    def admit_when_answered(self, request: Request, step: bool = True) -> Request:
+        """As vLLM does: the request waits until its lookup (a shared tier's, on a thread) has an answer and it gets
+        its blocks; meanwhile the engine steps (`step=False`: work planned stays unrun, as a test may need)."""
+        for _ in range(500):
+            if self.admit(request):
+                return request
+            if step:
+                self.step()
+            time.sleep(0.005)
+        raise AssertionError(f"{request.request_id} was never admitted")
+
     def run(self, request: Request, abort_before_output: bool = False) -> None:
         """The steps that load the request's prefix and compute the rest, then its end."""
         invalid = self.step(finish=[request] if abort_before_output else [])

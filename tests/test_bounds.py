@@ -60,16 +60,6 @@ def test_kv_events_keep_no_payload_of_a_block_whose_store_was_refused():
         engine.close()
 
 
-def admit(engine: Engine, request: Request) -> None:
-    """As vLLM does: the request waits (steps go on) until its lookup has an answer and it gets its blocks."""
-    for _ in range(500):
-        if engine.admit(request):
-            return
-        engine.step()
-        time.sleep(0.005)
-    raise AssertionError(f"{request.request_id} was never admitted")
-
-
 def nothing_left_behind(engine: Engine) -> None:
     """Every load was reported by every worker: no plan pending, no block pinned, no byte left queued."""
     for _ in range(20):
@@ -92,13 +82,13 @@ def test_a_shared_fetch_that_gets_no_buffer_reports_its_steps(redis_server, monk
     try:
         document = [h("doc", i) for i in range(6)]
         first = Request("a", document)
-        admit(a, first)
+        a.admit_when_answered(first)
         a.run(first)
         a.drain()
         time.sleep(0.2)  # the write-through to Redis runs after the host stores
         a.drain()
         warm = Request("b0", document[:2])
-        admit(b, warm)
+        b.admit_when_answered(warm)
         b.run(warm)
         b.drain()  # b holds the first 2 blocks in host (fetched from Redis); Redis has all 6
 
@@ -106,7 +96,8 @@ def test_a_shared_fetch_that_gets_no_buffer_reports_its_steps(redis_server, monk
             raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
         second = Request("b1", document)
-        admit(b, second)  # 2 from host, 4 fetched from Redis straight into the engine's blocks: a larger buffer
+        # 2 from host, 4 fetched from Redis straight into the engine's blocks: a larger buffer
+        b.admit_when_answered(second)
         with monkeypatch.context() as patch:
             patch.setattr(mmap, "mmap", no_memory)
             b.run(second)
@@ -129,14 +120,14 @@ def test_a_load_the_mover_cannot_start_reports_every_step_failed(tmp_path):
         document = [h("doc", i) for i in range(2)]
         for n, blocks in enumerate([document] + [[h("other", n, i) for i in range(2)] for n in range(3)]):
             turn = Request(f"a{n}", blocks)  # the others push the document out of host, down to disk
-            admit(engine, turn)
+            engine.admit_when_answered(turn)
             engine.run(turn)
             engine.drain()
         mover = engine.workers[0].mover
         for pool in (mover._reads, *mover._tier_reads.values()):  # loads from disk run on one of these
             pool.shutdown()
         second = Request("b", document)
-        admit(engine, second)
+        engine.admit_when_answered(second)
         assert second.is_async and second.promised == 2 * 16  # disk hits
         loaded = engine.loaded
         engine.run(second)
@@ -166,7 +157,7 @@ def test_a_graceful_stop_flushes_host_within_the_disk_tier_bound_and_a_restart_s
         turns = [document[:2]] + [[h("other", n, i) for i in range(2)] for n in range(3)] + [document]
         for n, blocks in enumerate(turns):
             turn = Request(f"t{n}", blocks)
-            admit(engine, turn)
+            engine.admit_when_answered(turn)
             engine.run(turn)
             engine.drain()
         assert block_files(root) == 6, "the disk tier is full of older blocks"
@@ -178,7 +169,7 @@ def test_a_graceful_stop_flushes_host_within_the_disk_tier_bound_and_a_restart_s
     try:
         assert again.scheduler.directory.tier["disk"].used_blocks == 6  # every file adopted: no orphan among them
         whole = Request("whole", document)
-        admit(again, whole)
+        again.admit_when_answered(whole)
         assert whole.promised == 4 * 16  # the document, from disk: its first half was kept for its second
         again.run(whole)
         assert again.loaded == 4 and again.wrong == 0
@@ -196,7 +187,7 @@ def test_a_graceful_stop_after_a_cache_reset_writes_none_of_the_old_blocks_to_di
     engine = Engine(config)
     try:
         turn = Request("old", [h("old", i) for i in range(3)])
-        admit(engine, turn)
+        engine.admit_when_answered(turn)
         engine.run(turn)
         engine.drain()
         host = engine.workers[0].stores.host
@@ -219,7 +210,7 @@ def test_a_host_tier_larger_than_the_disk_tier_flushes_only_what_the_disk_tier_h
     try:
         for n in range(16):
             r = Request(f"r{n}", [h(n, 0), h(n, 0, 1)])
-            admit(engine, r)
+            engine.admit_when_answered(r)
             engine.run(r)
         engine.drain()
         assert block_files(root) == 0

@@ -166,19 +166,10 @@ def test_a_rank_that_fails_never_lets_another_serve_a_hit_it_cannot(tmp_path):
         engine.close()
 
 
-def admit(engine: Engine, request: Request) -> None:
-    """A shared tier is asked on a thread: vLLM asks again each step until it answers."""
-    for _ in range(500):
-        if engine.admit(request):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"{request.request_id} was never admitted")
-
-
 def busy_host(engine: Engine, first: int) -> None:
     """Two stores planned, not yet run: both slots of a 2-slot host are being written."""
     for i in (first, first + 1):
-        admit(engine, busy := Request(f"busy{i}", [bytes([i]) * 32]))
+        engine.admit_when_answered(busy := Request(f"busy{i}", [bytes([i]) * 32]), step=False)
         engine.compute(busy, set())
         busy.num_computed_tokens = 16
         engine.finish(busy)
@@ -188,7 +179,7 @@ def served_with_every_host_slot_busy(engine: Engine, hit: Request, tier: str) ->
     """`hit`'s first block, found in `tier`, is served exactly while every host slot is being written: read
     straight into the engine's block, no shortfall. Then the request is stored."""
     busy_host(engine, 10)
-    admit(engine, hit)
+    engine.admit_when_answered(hit, step=False)
     assert hit.promised == 16 and hit.is_async
     engine.run(hit)
     assert engine.loaded == 1 and engine.wrong == 0
@@ -255,12 +246,12 @@ def test_a_shared_tier_hit_on_a_block_being_stored_here_is_recomputed_and_counte
     hit = Request("q", [bytes([1]) * 32, bytes([9]) * 32])
     engine = shared_engine(redis_server)
     try:
-        admit(engine, writing := Request("w", hit.block_hashes[:1]))
+        engine.admit_when_answered(writing := Request("w", hit.block_hashes[:1]), step=False)
         engine.compute(writing, set())
         writing.num_computed_tokens = 16
         engine.finish(writing)  # its store is planned, not yet run
         stored_by_another_engine(redis_server, engine, hit)
-        admit(engine, hit)
+        engine.admit_when_answered(hit, step=False)
         assert hit.promised == 16 and hit.is_async  # the hit was promised ...
         counters = engine.scheduler.stats_payload()["counters"]
         assert counters["load_shortfall_tokens"] == {"redis": 16}  # ... and could not be taken
@@ -404,20 +395,20 @@ def test_a_hung_disk_fails_its_loads_at_their_deadline_and_never_holds_up_anothe
                                                        **DEMOTE_ALL, "load_timeout_s": 0.5}, redis_tier]}))
     try:
         q = [h("q", i) for i in range(2)]
-        admit(writer, stored := Request("w", q))
+        writer.admit_when_answered(stored := Request("w", q), step=False)
         writer.run(stored)
         writer.drain()  # q is in Redis
         prompts = {n: [h("p", n, i) for i in range(2)] for n in range(6)}
         for n, prompt in prompts.items():  # on disk; the host keeps the last two
-            admit(engine, filled := Request(f"fill{n}", prompt, arrival_time=time.time()))
+            engine.admit_when_answered(filled := Request(f"fill{n}", prompt, arrival_time=time.time()), step=False)
             engine.run(filled)
         engine.drain()
         hung = Hung(engine.workers[0].stores.local["disk"])
         a, b = (Request(name, prompts[n], arrival_time=time.time()) for name, n in (("a", 0), ("b", 1)))
-        admit(engine, a)
-        admit(engine, b)
+        engine.admit_when_answered(a, step=False)
+        engine.admit_when_answered(b, step=False)
         c = Request("c", q)
-        admit(engine, c)
+        engine.admit_when_answered(c, step=False)
         sources = {r: dict(engine.scheduler._requests[r].served) for r in "abc"}
         assert [set(map(str, s)) for s in sources.values()] == [{"TierKind.DISK"}] * 2 + [{"TierKind.SHARED"}]
         invalid: set[int] = set()

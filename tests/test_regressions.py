@@ -536,16 +536,6 @@ class UpdatedInPlace(HarnessEngine):
                         kv[block] ^= 0x55
 
 
-def admitted(engine: HarnessEngine, request: HarnessRequest) -> HarnessRequest:
-    """Asked until the shared tier answered the lookup, as vLLM asks again each step."""
-    for _ in range(500):
-        if engine.admit(request):
-            return request
-        engine.step()
-        time.sleep(0.005)
-    raise AssertionError(f"{request.request_id} was never admitted")
-
-
 def test_engines_sharing_redis_that_each_reset_once_never_share_a_generation(redis_server):
     """r_generation_shared.py: reset_cache appended a per-engine counter to every key, so engine B, after a reset of
     its own, hit the blocks engine A wrote after its weight update and reset: KV of other weights, served as exact."""
@@ -555,16 +545,16 @@ def test_engines_sharing_redis_that_each_reset_once_never_share_a_generation(red
     a = UpdatedInPlace(config)
     b = HarnessEngine(config)  # another replica of the same checkpoint, weights not updated
     try:
-        a.run(admitted(a, HarnessRequest("a1", prompt)))
+        a.run(a.admit_when_answered(HarnessRequest("a1", prompt)))
         a.drain()
         a.updated = True  # a weight update in place, then vLLM's reset_prefix_cache(reset_connector=True)
         a.scheduler.reset_cache()
-        a.run(admitted(a, HarnessRequest("a2", prompt)))
+        a.run(a.admit_when_answered(HarnessRequest("a2", prompt)))
         a.drain()
         values = [k for k in redis_server.client().scan_iter(b"kvtier:*") if b"!" not in k]
         assert len(values) == 8, "Redis holds the prompt's blocks of both weights"
         b.scheduler.reset_cache()  # B resets once too, for a reason of its own
-        request = admitted(b, HarnessRequest("b1", prompt))
+        request = b.admit_when_answered(HarnessRequest("b1", prompt))
         assert request.promised == 0, "B was promised blocks that A computed with other weights"
         b.run(request)
         assert b.wrong == 0
@@ -635,7 +625,7 @@ def charged(redis_server, tmp_path, slow: str) -> list[tuple[str, str]]:
     whichever tier the request is charged to goes off)."""
     from tests.connector_harness import Engine as Harness
     from tests.connector_harness import Request
-    from tests.test_faults import admit, h
+    from tests.test_faults import h
 
     redis_tier = {"type": "redis", "url": redis_server.url, "max_bytes": 1 << 26}
     guard = {"ttft_p99_ms": 1, "window_s": 3600, "breach_windows": 1, "of_windows": 1, "min_requests": 1}
@@ -647,14 +637,15 @@ def charged(redis_server, tmp_path, slow: str) -> list[tuple[str, str]]:
                                         "write_policy": "write_through", **DEMOTE_ALL}, redis_tier]}))
     try:
         prompt = [h(slow, i) for i in range(4)]
-        admit(engine, head := Request("head", prompt[:2], arrival_time=time.time()))
+        engine.admit_when_answered(head := Request("head", prompt[:2], arrival_time=time.time()), step=False)
         engine.run(head)  # the first two blocks on disk (and in Redis)
         engine.drain()
-        admit(writer, stored := Request("w", prompt))
+        writer.admit_when_answered(stored := Request("w", prompt), step=False)
         writer.run(stored)
         writer.drain()  # all four in Redis
         for name in ("x", "y"):  # the head out of the 4-block host
-            admit(engine, filled := Request(name, [h(slow, name, i) for i in range(2)], arrival_time=time.time()))
+            filled = Request(name, [h(slow, name, i) for i in range(2)], arrival_time=time.time())
+            engine.admit_when_answered(filled, step=False)
             engine.run(filled)
         engine.drain()
         worker = engine.workers[0]
@@ -664,7 +655,7 @@ def charged(redis_server, tmp_path, slow: str) -> list[tuple[str, str]]:
             store, name = worker.stores.shared["redis"], "get_many"
         real = getattr(store, name)
         setattr(store, name, lambda *args: (time.sleep(0.3), real(*args))[1])
-        admit(engine, both := Request("both", prompt, arrival_time=time.time()))
+        engine.admit_when_answered(both := Request("both", prompt, arrival_time=time.time()), step=False)
         assert engine.scheduler.served_by_kind("both") == {TierKind.DISK: 32, TierKind.SHARED: 32}
         engine.run(both)
         assert engine.wrong == 0
