@@ -2,7 +2,8 @@
 
 Tiering pays only where loading a block is cheaper than recomputing it, and only within the request's latency
 budget, so the analyzer's verdict and the simulator's TTFT both come from these few numbers. They are stated
-defaults, not measurements: pass your own hardware's figures.
+defaults, not measurements: pass your own hardware's figures, or a profile that `kvtier calibrate` measured
+(`apply_profile`), whose fits replace them; `measured` names what came from one.
 
 Prefill FLOPs of `n` new tokens after `p` cached ones (the Mooncake FAST'25 form, causal attention):
 
@@ -13,9 +14,10 @@ P = active parameters, L = layers, A = attention FLOPs per (query, key) pair per
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvtier.layout import KVLayout, preset
+from kvtier.sim.profile import LineFit, PrefillFit, Profile
 from kvtier.stores.base import TierKind
 
 GB = 1e9
@@ -61,6 +63,9 @@ class CostModel:
     disk: Link = field(default_factory=lambda: Link("disk", 6 * GB, 100e-6))  # one NVMe drive, reads
     network: Link = field(default_factory=lambda: Link("network", 12.5 * GB, 200e-6))  # 100 Gbit/s
     itl_s: float = 0.02  # seconds per output token while decoding (when a request's blocks get stored)
+    prefill_fit: PrefillFit | None = None  # measured: replaces the FLOP count
+    decode_fit: LineFit | None = None  # measured: seconds per output token over the batch
+    measured: tuple[str, ...] = ()  # the figures a profile gave: "prefill", "decode", "pcie", "disk", "network"
 
     @property
     def links(self) -> tuple[Link, ...]:
@@ -71,11 +76,17 @@ class CostModel:
 
     def prefill_seconds(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """Compute time of a prefill of `new_tokens` that attends to `cached_tokens` already in the engine."""
+        if self.prefill_fit is not None:
+            return self.prefill_fit.seconds(new_tokens, cached_tokens)
         n, p = new_tokens, cached_tokens
         if n <= 0:
             return 0.0
         attention = self.layout.num_layers * self.compute.attn_pair_flops * (n * p + n * (n + 1) / 2)
         return (2 * self.compute.params * n + attention) / self.flops_per_s
+
+    def itl_at(self, batch: int) -> float:
+        """Seconds per output token with `batch` requests decoding side by side."""
+        return self.decode_fit.seconds(max(1, batch)) if self.decode_fit is not None else self.itl_s
 
     def tier_path(self, kind: TierKind) -> tuple[Link, ...]:
         """The links a block crosses from a tier of this kind into the engine: every cold tier stages through
@@ -103,3 +114,30 @@ def cost_model(
         layout, COMPUTE[model], tflops * 1e12, Link("pcie", pcie_gbs * GB, 10e-6),
         Link("disk", disk_gbs * GB, 100e-6), Link("network", network_gbs * GB, 200e-6), itl_ms / 1e3,
     )
+
+
+PROFILE_LINKS = {"host": "pcie", "disk": "disk", "redis": "network"}  # a tier's load in a profile -> its link
+
+
+def apply_profile(cost: CostModel, profile: Profile) -> CostModel:
+    """`cost` with what `profile` measured in place of its defaults: the prefill fit, decode per token (at batch 1
+    as `itl_s`), each measured tier's load as its link (latency + bytes over bandwidth), the served model's block
+    bytes when the profile knows its KV bytes per token."""
+    links: dict[str, Link] = {}
+    for tier, name in PROFILE_LINKS.items():
+        fit = profile.tiers.get(tier)
+        if fit is not None:
+            links[name] = Link(name, fit.bytes_per_s, fit.intercept)
+    layout = cost.layout
+    per_token = profile.server.get("kv_bytes_per_token")
+    if per_token and layout.bytes_per_block(1) != per_token:
+        layout = _layout_of(per_token, profile.server.get("model") or "profiled")
+    return replace(cost, layout=layout, prefill_fit=profile.prefill, decode_fit=profile.decode,
+                   itl_s=profile.decode.seconds(1), measured=("prefill", "decode", *links),
+                   pcie=links.get("pcie", cost.pcie), disk=links.get("disk", cost.disk),
+                   network=links.get("network", cost.network))
+
+
+def _layout_of(bytes_per_token: int, name: str) -> KVLayout:
+    """A layout of the profiled model's bytes per token: only its size matters to the cost model."""
+    return KVLayout(1, 1, bytes_per_token, "int8", mla_latent_dim=bytes_per_token, name=name)
