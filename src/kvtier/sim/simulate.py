@@ -11,7 +11,9 @@ The clock: requests arrive at their timestamps and queue, first come first serve
 servers that share one cache (engine KV + kvtier tiers, as with prefix-affinity routing). A request's server
 is busy while its prefix loads and while it prefills the rest. Loads queue on their links (disk reads, then
 host -> GPU over PCIe, pipelined); stores and demotions are background writes: counted in bytes, not in TTFT.
-TTFT = queueing + load + prefill. Decode time (output tokens x ITL) only decides when the blocks are stored.
+TTFT = queueing + load + prefill. Decode time (output tokens after the first x ITL, at the batch of requests
+decoding then when a profile measured it) decides when the blocks are stored and, for closed-loop clients
+(`sim/arrivals.py`), when the client's next request arrives.
 
 The runtime's guard and decision run here on the virtual clock: each request loads only the prefix the
 decision offers (fitted to the simulated transfers and prefills, as at runtime to measured ones), reads no
@@ -36,6 +38,7 @@ from kvtier.decide import Decider
 from kvtier.directory import CALLER, Directory
 from kvtier.guard import TierState, Transition, request_source
 from kvtier.policies.base import DEFAULT_PRIORITY
+from kvtier.sim.arrivals import Arrivals, AtTimestamps, ClosedLoop
 from kvtier.sim.configs import SimConfig
 from kvtier.sim.cost import CostModel
 from kvtier.sim.engine import EngineCache
@@ -78,7 +81,9 @@ class SimResult:
     hit_blocks: Counter = field(default_factory=Counter)  # engine / host / disk / miss
     hit_tokens: Counter = field(default_factory=Counter)
     moved_bytes: Counter = field(default_factory=Counter)  # "src->dst"
-    ttft_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    ttft_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per request, in arrival order
+    queue_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # each TTFT's wait for a server
+    load_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # each TTFT's load from kvtier's tiers
     evictions: Counter = field(default_factory=Counter)
     admission_rejects: Counter = field(default_factory=Counter)
     stores_dropped: Counter = field(default_factory=Counter)
@@ -158,22 +163,25 @@ class _Links:
 def simulate(
     requests: Sequence[TraceRequest], configs: Sequence[SimConfig], setup: ServingSetup,
     on_request: Callable[[], None] | None = None, guard: GuardConfig | None = None, workers: int | None = None,
+    clients: ClosedLoop | None = None,
 ) -> list[SimResult]:
     """One result per configuration, all from the same requests (in arrival order) and serving setup. `guard`:
     the guard of every configuration with tiers (else each runs its own config's, if it has one). `workers`:
-    processes replaying configurations side by side (default: one per core; 1: all in this process)."""
+    processes replaying configurations side by side (default: one per core; 1: all in this process). `clients`:
+    closed-loop clients send the requests, in order, instead of the trace's timestamps."""
     requests = sorted(requests, key=lambda r: r.timestamp)
     keys = [[b.to_bytes(8, "little") for b in r.blocks] for r in requests]
     with tempfile.TemporaryDirectory(prefix="kvtier-sim-") as scratch:
         def replay(config: SimConfig, tick: Callable[[], None] | None) -> SimResult:
-            return _run(requests, keys, config, setup, Path(scratch), tick, guard)
+            arrivals = clients.start() if clients is not None else AtTimestamps()
+            return _run(requests, keys, config, setup, Path(scratch), tick, guard, arrivals)
 
         return map_configs(replay, configs, on_request, workers, weight=SimConfig.tiers)
 
 
 def _run(
     requests: Sequence[TraceRequest], keys: Sequence[list[bytes]], sim_config: SimConfig, setup: ServingSetup,
-    scratch: Path, on_request: Callable[[], None] | None, guard_config: GuardConfig | None,
+    scratch: Path, on_request: Callable[[], None] | None, guard_config: GuardConfig | None, arrivals: Arrivals,
 ) -> SimResult:
     now = [0.0]
     config = sim_config.validated(scratch)
@@ -188,8 +196,9 @@ def _run(
     engine = EngineCache(setup.engine_blocks)
     cost, block_bytes = setup.cost, setup.block_bytes
     result = SimResult(sim_config)
-    ttft = np.zeros(len(requests))
+    ttft, queue, load = np.zeros(len(requests)), np.zeros(len(requests)), np.zeros(len(requests))
     served = np.zeros(len(requests))  # each TTFT's part after a server took the request up
+    itl = np.zeros(len(requests))
     servers = [0.0] * setup.instances
     links = _Links()
     events: list[tuple[float, int, int]] = []  # (time, kind, request); kind 0: prefilled, 1: finished
@@ -205,11 +214,12 @@ def _run(
                     control.observe(sources_of[i], when, ttft_s=ttft[i], served_s=served[i])
                 continue
             if control is not None:
-                _finished(control, keys[i][:full], requests[i], sources_of[i], when, cost.itl_s)
+                _finished(control, keys[i][:full], requests[i], sources_of[i], when, itl[i])
 
     for i, request in enumerate(requests):
+        arrived = arrivals.arrive(i, request.timestamp)
         free = heapq.heappop(servers)
-        start = max(request.timestamp, free)
+        start = max(arrived, free)
         apply_events(start)
         now[0] = start
         blocks, bt = request.blocks, request.block_tokens
@@ -226,16 +236,19 @@ def _run(
             control.decider.prefill.add(request.input_tokens - cached_tokens, prefill)
         sources_of[i] = request_source(sources, tier_order, in_engine > 0, took)
         heapq.heappush(servers, done)
-        ttft[i] = done - request.timestamp
+        ttft[i], queue[i], load[i] = done - arrived, start - arrived, loaded_at - start
         served[i] = done - start
         result.busy_s += done - start
         heapq.heappush(events, (done, 0, i))
-        heapq.heappush(events, (done + request.output_tokens * cost.itl_s, 1, i))
+        itl[i] = cost.itl_at(1 + _decoding(events, done)) if cost.decode_fit is not None else cost.itl_s
+        end = done + max(0, request.output_tokens - 1) * itl[i]
+        heapq.heappush(events, (end, 1, i))
+        arrivals.ended(i, end)
         _count(result, request, sources, block_bytes)
         if on_request is not None:
             on_request()
     apply_events(math.inf)
-    result.ttft_s = ttft
+    result.ttft_s, result.queue_s, result.load_s = ttft, queue, load
     result.end_s = now[0]
     if control is not None:
         _tiers_figures(result, control, now[0], block_bytes)
@@ -278,6 +291,11 @@ def _tiers_figures(result: SimResult, control: Control, end: float, block_bytes:
         result.moved_bytes[f"{ENGINE if src == CALLER else src}->{dst}"] += n * block_bytes
     result.evictions, result.admission_rejects = stats.evictions, stats.admission_rejects
     result.stores_dropped = stats.stores_dropped
+
+
+def _decoding(events: list[tuple[float, int, int]], at: float) -> int:
+    """Requests still decoding at `at`: their last token is an event after it."""
+    return sum(1 for when, kind, _ in events if kind == 1 and when > at)
 
 
 def _full_blocks(request: TraceRequest) -> int:
