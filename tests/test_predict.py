@@ -10,7 +10,6 @@ import numpy as np
 from kvtier.rollout import workload
 from kvtier.rollout.client import Load, Prompt
 from kvtier.rollout.predict import TOLERANCE, as_trace, compare, poisson, predict
-from kvtier.sim.arrivals import ClosedLoop
 from kvtier.sim.cost import apply_profile, cost_model
 from kvtier.sim.profile import Profile, fit_line, fit_prefill
 
