@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from kvtier.analyze.questions import Analysis
@@ -20,16 +22,19 @@ from kvtier.report import (
 GiB = 1 << 30
 
 
-def analysis_report(a: Analysis) -> Report:
+def analysis_report(a: Analysis, warnings: Sequence[str] = ()) -> Report:
+    """`warnings`: e.g. a profile measured on another machine, shown above the verdict that rests on it."""
     v = verdict(a)
     s, d = a.stats, a.deployment
-    data = {**a.as_dict(), "verdict": v.as_dict()}
+    data = {**a.as_dict(), "verdict": v.as_dict(), "warnings": list(warnings)}
     report = Report(f"kvtier analyze — {a.source}", data=data)
     rate = s.requests / s.span_s if s.span_s > 0 else 0.0
     report.add(
+        *[Text(f"warning: {w}", "bold yellow") for w in warnings],
         Text(f"{s.requests:,} requests over {fmt_seconds(s.span_s)} ({rate:,.2f}/s), {s.total_tokens:,} prompt "
              f"tokens in {s.accesses:,} blocks of {a.block_tokens} tokens ({s.distinct_blocks:,} distinct). "
              f"Model {d.cost.layout.name}: {fmt_bytes(a.block_bytes)} per block."),
+        Text(f"cost model: {d.cost.sources_text()}"),
         Heading("Verdict"),
         Text(v.headline, "bold green" if v.fits else "bold red"),
         Table("checks", ["check", "ok", "why"],
@@ -94,8 +99,8 @@ def _block_size(report: Report, a: Analysis) -> None:
         Table(f"one block of {c.layout.name} ({fmt_bytes(c.layout.bytes_per_token)} per token)",
               ["tokens", "bytes", "PCIe", "disk", "network", "recompute (first)",
                f"recompute (after {context:,})", "break-even GB/s"], rows,
-              note=f"links: {links}; prefill {c.flops_per_s / 1e12:g} TFLOP/s effective. A link slower than the "
-              "break-even bandwidth loads a block more slowly than the GPU recomputes it."),
+              note=f"links: {links}; prefill {c.sources()['prefill']}. A link slower than the break-even bandwidth "
+              "loads a block more slowly than the GPU recomputes it."),
     )
 
 

@@ -42,8 +42,9 @@ class Deployment:
         c = self.cost
         return {
             "model": c.layout.name, "bytes_per_token": c.layout.bytes_per_token,
-            "prefill_flops_per_s": c.flops_per_s, "itl_s": c.itl_s,
+            "prefill_flops_per_s": None if c.prefill_fit is not None else c.flops_per_s, "itl_s": c.itl_s,
             "links": {link.name: {"bytes_per_s": link.bytes_per_s, "latency_s": link.latency_s} for link in c.links},
+            "profile": c.profile_file or None, "cost_source": c.sources(),
             "engine_kv_bytes": self.engine_kv_bytes, "host_bytes": self.host_bytes, "disk_bytes": self.disk_bytes,
             "ttft_budget_s": self.ttft_budget_s,
         }

@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 
 from kvtier import __version__
-from kvtier.cli import plan_command, rollout_command, trace_commands
+from kvtier.cli import calibrate_command, plan_command, rollout_command, trace_commands
 from kvtier.config import ConfigError, for_engine, parse_config
 
 EXIT_BAD_INPUT = 2
+MODULES = {"plan": plan_command, "calibrate": calibrate_command}  # commands whose module runs them
 
 DESCRIPTION = """\
 kvtier keeps the KV cache of LLM serving in tiers: the engine's memory (hot) -> host DRAM (warm) ->
@@ -23,6 +24,7 @@ commands:
   bench    measure the tiers against plain baselines on this machine (ratios, medians of several runs)
   config   validate a kvtier config file (the JSON you pass as kv_connector_extra_config)
   plan     split the memory budget (weights, workspace, engine KV; host and disk tiers) and print the flags
+  calibrate  measure your engine (prefill, decode) and this machine's tiers into a profile for --profile
   tiny-model  write a servable tiny model (random weights, a locally trained tokenizer, a chat template)
 """ + trace_commands.HELP
 
@@ -73,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir", type=Path, help="the folder to write (created)")
     trace_commands.add_commands(sub)
     plan_command.add(sub)
+    calibrate_command.add(sub)
     return parser
 
 
@@ -87,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             return trace_commands.run(args)
         if args.command == "config":
             return _config(args)
-        if args.command == "plan":
-            return plan_command.run(args)
+        if args.command in MODULES:
+            return MODULES[args.command].run(args)
         if args.command == "demo":
             return _demo(args)
         if args.command == "rollout":

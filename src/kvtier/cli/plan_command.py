@@ -24,9 +24,9 @@ every forward pass. KV offload moves attention state, and only when a prefix com
 def add(sub: argparse._SubParsersAction) -> None:
     d = PlanInputs()
     p = sub.add_parser("plan", help=HELP, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=d.model, help="a preset (llama-3.1-8b, llama-3-8b, llama-3.1-70b, qwen2.5-7b, "
+    p.add_argument("--model", help="a preset (llama-3.1-8b, llama-3-8b, llama-3.1-70b, qwen2.5-7b, "
                    "qwen2.5-72b, mistral-7b, deepseek-v3), an HF config.json or a folder holding one "
-                   f"(default {d.model})")
+                   f"(default {d.model}; with --profile the profile's model)")
     p.add_argument("--weight-dtype", help="bf16, fp16, fp32, fp8, int8, int4 (default: the config's dtype, or its "
                    "quantization_config)")
     p.add_argument("--kv-dtype", help="vLLM's --kv-cache-dtype: auto, bf16, fp16, fp8 (default: the model's dtype)")
@@ -62,10 +62,14 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", type=Path, help="a trace in any format `kvtier analyze` reads: sizes at its knee")
     p.add_argument("--ttft-budget-ms", type=finite_float, default=d.ttft_budget_ms,
                    help="p99 TTFT budget (default 2000)")
-    p.add_argument("--tflops", type=finite_float, default=d.tflops, help="effective prefill TFLOP/s (default 400)")
-    p.add_argument("--pcie-gbs", type=finite_float, default=d.pcie_gbs, help="host <-> GPU GB/s (default 25)")
-    p.add_argument("--disk-gbs", type=finite_float, default=d.disk_gbs, help="NVMe read GB/s (default 6)")
-    p.add_argument("--itl-ms", type=finite_float, default=d.itl_ms, help="decode ms per output token (default 20)")
+    p.add_argument("--profile", type=Path, metavar="FILE", help="a profile `kvtier calibrate` measured: its prefill, "
+                   "decode and tier-load fits replace the stated defaults below (a flag below for a figure it "
+                   "measured is an error; one for a figure it did not measure applies); its model must have "
+                   "--model's KV bytes per token")
+    p.add_argument("--tflops", type=finite_float, help="effective prefill TFLOP/s (default 400)")
+    p.add_argument("--pcie-gbs", type=finite_float, help="host <-> GPU GB/s (default 25)")
+    p.add_argument("--disk-gbs", type=finite_float, help="NVMe read GB/s (default 6)")
+    p.add_argument("--itl-ms", type=finite_float, help="decode ms per output token (default 20)")
     p.add_argument("--measure", action="store_true", help="check the plan on this machine's vLLM CPU engine: start "
                    "--model (default: the tiny model, built here) with --kv-cache-gib (default 1) and compare the KV "
                    "blocks and weight bytes it allocates with the plan's")
@@ -76,9 +80,13 @@ def add(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from kvtier.plan.make import make_plan
+    from kvtier.plan.make import make_plan, profile_model
     from kvtier.plan.present import plan_report
 
+    if args.measure and args.profile is not None:
+        raise ValueError("--profile: --measure checks the plan's memory, which no profile changes; pass one of them")
+    if args.model is None:
+        args.model = PlanInputs.model if args.profile is None else profile_model(args.profile)
     names = set(PlanInputs.__dataclass_fields__)
     inputs = PlanInputs(**{k: v for k, v in vars(args).items() if k in names})
     if args.measure:

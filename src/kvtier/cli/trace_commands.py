@@ -11,6 +11,7 @@ import argparse
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import (
@@ -23,6 +24,9 @@ from rich.progress import (
 )
 
 from kvtier.config import finite_float
+
+if TYPE_CHECKING:
+    from kvtier.sim.cost import CostModel
 
 COMMANDS = ("generate", "analyze", "simulate")
 GiB = 1 << 30
@@ -56,17 +60,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     def deployment(p: argparse.ArgumentParser) -> None:
         p.add_argument("trace", type=Path, help="Mooncake JSONL, kvtier JSONL, Azure 2023 CSV or a kv-cache-tester "
                        "agentic trace (a .json per conversation, a folder of them, or JSONL); the format is detected")
-        p.add_argument("--model", default="llama-3.1-8b", choices=sorted(PRESETS), help="layout preset "
-                       "(default llama-3.1-8b)")
+        p.add_argument("--model", choices=sorted(PRESETS), help="layout preset (default llama-3.1-8b; with --profile "
+                       "the profile's model, and a --model whose KV bytes per token differ from it is an error)")
         p.add_argument("--engine-kv-gib", type=finite_float, default=40,
                        help="the engine's KV cache memory (default 40)")
         p.add_argument("--host-gib", type=finite_float, default=256, help="host tier size (default 256)")
         p.add_argument("--disk-gib", type=finite_float, default=2048, help="disk tier size (default 2048)")
-        p.add_argument("--tflops", type=finite_float, default=400, help="effective prefill TFLOP/s (default 400)")
-        p.add_argument("--pcie-gbs", type=finite_float, default=25, help="host <-> GPU GB/s (default 25)")
-        p.add_argument("--disk-gbs", type=finite_float, default=6, help="NVMe read GB/s (default 6)")
-        p.add_argument("--network-gbs", type=finite_float, default=12.5,
-                       help="network GB/s (default 12.5 = 100 Gbit/s)")
+        p.add_argument("--profile", type=Path, metavar="FILE", help="a profile `kvtier calibrate` measured: its "
+                       "prefill, decode and tier-load fits replace the stated defaults below (a flag below for a "
+                       "figure it measured is an error; one for a figure it did not measure applies)")
+        p.add_argument("--tflops", type=finite_float, help="effective prefill TFLOP/s (default 400)")
+        p.add_argument("--pcie-gbs", type=finite_float, help="host <-> GPU GB/s (default 25)")
+        p.add_argument("--disk-gbs", type=finite_float, help="NVMe read GB/s (default 6)")
+        p.add_argument("--network-gbs", type=finite_float, help="network GB/s (default 12.5 = 100 Gbit/s)")
         p.add_argument("--block-tokens", type=int, help="block size for kvtier `tokens` and CSV traces")
         p.add_argument("--json", type=Path, help="write every figure to this file")
         p.add_argument("--html", type=Path, help="write one self-contained page with tables and plots")
@@ -88,7 +94,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                           help="a kvtier config JSON (or a whole --kv-transfer-config); repeat to compare several")
     simulate.add_argument("--instances", type=int, help="prefill servers (default: recomputing every prompt "
                           "would keep them 70%% busy)")
-    simulate.add_argument("--itl-ms", type=finite_float, default=20, help="decode ms per output token (default 20)")
+    simulate.add_argument("--itl-ms", type=finite_float, help="decode ms per output token (default 20)")
     simulate.add_argument("--guard", metavar="JSON", help="run the guard (the rollback rule) in every configuration "
                           "with tiers: the config's `guard` object, e.g. '{\"ttft_p99_ms\": 2000, \"window_s\": 60}' "
                           "(or a file holding it); the report says when it turned a tier off")
@@ -116,13 +122,23 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cost(args: argparse.Namespace, itl_ms: float = 20):
-    from kvtier.sim.cost import cost_model
+STATED = ("tflops", "pcie_gbs", "disk_gbs", "network_gbs", "itl_ms")  # flags of the cost model's stated defaults
+
+
+def _cost(args: argparse.Namespace) -> tuple[CostModel, list[str]]:
+    """The cost model: `cost_model`'s defaults, the flags the user gave, and a --profile's measurements in place of
+    both (`with_profile`: a flag for a figure the profile measured is an error); warnings for the report."""
+    from kvtier.sim.cost import cost_model, with_profile
 
     for name in ("engine_kv_gib", "host_gib", "disk_gib"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    return cost_model(args.model, args.tflops, args.pcie_gbs, args.disk_gbs, args.network_gbs, itl_ms)
+    given = {name: getattr(args, name) for name in STATED if getattr(args, name, None) is not None}
+    cost = cost_model(args.model or "llama-3.1-8b", **given)
+    if args.profile is None:
+        return cost, []
+    return with_profile(cost, args.profile, [f"--{name.replace('_', '-')}" for name in given],
+                        model_given=args.model is not None)
 
 
 def _requests(args: argparse.Namespace):
@@ -153,7 +169,8 @@ def _analyze(args: argparse.Namespace) -> int:
 
     if args.ttft_budget_ms <= 0:
         raise ValueError(f"--ttft-budget-ms must be > 0, got {args.ttft_budget_ms}")
-    deployment = Deployment(_cost(args), int(args.engine_kv_gib * GiB), int(args.host_gib * GiB),
+    cost, warnings = _cost(args)
+    deployment = Deployment(cost, int(args.engine_kv_gib * GiB), int(args.host_gib * GiB),
                             int(args.disk_gib * GiB), args.ttft_budget_ms / 1e3)
     started = time.perf_counter()
     requests, notes = _requests(args)
@@ -168,7 +185,7 @@ def _analyze(args: argparse.Namespace) -> int:
                 yield request
 
         analysis = analyze(counted(), deployment, str(args.trace))
-        report = analysis_report(analysis)
+        report = analysis_report(analysis, warnings)
     report.parts[1:1] = [Text(f"note: {n}", "yellow") for n in notes]
     report.data["notes"] = notes
     report.data["seconds"] = time.perf_counter() - started
@@ -184,7 +201,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     if args.instances is not None and args.instances <= 0:
         raise ValueError(f"--instances must be > 0, got {args.instances}")
-    cost = _cost(args, args.itl_ms)
+    cost, warnings = _cost(args)
     configs = [load_config_file(path) for path in args.config or []]
     guard = parse_guard(args.guard) if args.guard else None
     logging.getLogger("kvtier.guard").setLevel(logging.ERROR)  # simulated transitions go in the report, not the log
@@ -219,7 +236,7 @@ def _simulate(args: argparse.Namespace) -> int:
                 progress.update(task, completed=step[0])
 
         results = simulate(requests, configs, setup, on_request=advance, guard=guard)
-    report = simulation_report(str(args.trace), results, setup, notes)
+    report = simulation_report(str(args.trace), results, setup, notes, warnings)
     report.data["seconds"] = time.perf_counter() - started
     _emit(report, args)
     return 0

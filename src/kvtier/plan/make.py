@@ -4,7 +4,7 @@ the flags that deploy it."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvtier.plan import flags, tiers
@@ -18,8 +18,9 @@ from kvtier.plan.budget import (
     plan_host,
 )
 from kvtier.plan.model import ModelSpec, load_model
-from kvtier.plan.presets import HUB_IDS
-from kvtier.sim.cost import GB, CostModel, Link, ModelCompute
+from kvtier.plan.presets import HUB_IDS, MODEL_CONFIGS
+from kvtier.sim.cost import GB, CostModel, Link, ModelCompute, with_profile
+from kvtier.sim.profile import load_profile
 
 DEFAULT_BLOCK_TOKENS = 256
 
@@ -49,10 +50,11 @@ class PlanInputs:
     disk_root: str = "/mnt/kv_cache"
     trace: Path | None = None
     ttft_budget_ms: float = 2000
-    tflops: float = 400
-    pcie_gbs: float = 25
-    disk_gbs: float = 6
-    itl_ms: float = 20
+    profile: Path | None = None  # a calibrated profile: its measurements replace the stated defaults below
+    tflops: float | None = None  # None: the stated default (400), or the profile's prefill fit
+    pcie_gbs: float | None = None  # None: 25, or the profile's load from host
+    disk_gbs: float | None = None  # None: 6, or the profile's load from disk
+    itl_ms: float | None = None  # None: 20, or the profile's decode fit
 
 
 @dataclass
@@ -66,6 +68,7 @@ class MemoryPlan:
     trtllm: str
     transfer_config: dict | None  # vLLM's --kv-transfer-config; None when the verdict is not to offload
     warnings: list[str] = field(default_factory=list)
+    cost: CostModel | None = None  # what the latency check and the weight-offload warning priced with
 
     def as_dict(self) -> dict:
         i = self.inputs
@@ -74,14 +77,15 @@ class MemoryPlan:
                 "tp": i.tp, "gpu": self.gpu.as_dict(), "host": self.host.as_dict(), "tiers": self.sizes.as_dict(),
                 "offload": self.sizes.offload, "vllm_serve": self.vllm_flags,
                 "kv_transfer_config": self.transfer_config, "trtllm_kv_cache_config": self.trtllm,
-                "warnings": self.warnings, "inputs": {k: str(v) if isinstance(v, Path) else v
-                                                       for k, v in i.__dict__.items()}}
+                "warnings": self.warnings, "cost_source": self.cost.sources() if self.cost else None,
+                "inputs": {k: str(v) if isinstance(v, Path) else v for k, v in i.__dict__.items()}}
 
 
 def make_plan(i: PlanInputs, on_request: Callable[[], None] | None = None) -> MemoryPlan:
     """`on_request` is called for each request the replay of a trace simulates (a progress bar)."""
     _check_inputs(i)
     model = load_model(i.model, i.weight_dtype, i.kv_dtype)
+    cost, warnings = _cost(model, i)
     gpu = _gpu(i, model)
     host_budget = _host_budget(i)
     available = host_available(*host_budget)
@@ -96,7 +100,7 @@ def make_plan(i: PlanInputs, on_request: Callable[[], None] | None = None) -> Me
     slab_fixed = None if i.slab_gib is None else int(i.slab_gib * GiB)
     disk = int(i.disk_gib * GiB * kv_per_slab_byte)  # every rank writes its own shard of a block to disk
     if requests:
-        sizes = tiers.sizes_from_trace(requests, _cost(model, i), engine, int(available * kv_per_slab_byte), disk,
+        sizes = tiers.sizes_from_trace(requests, cost, engine, int(available * kv_per_slab_byte), disk,
                                        i.ttft_budget_ms / 1e3,
                                        None if slab_fixed is None else int(slab_fixed * kv_per_slab_byte),
                                        str(i.trace), on_request)
@@ -114,8 +118,9 @@ def make_plan(i: PlanInputs, on_request: Callable[[], None] | None = None) -> Me
     serve = flags.vllm_command(HUB_IDS.get(model.name, model.name), i.tp, gpu, i.gpu_util, i.max_num_seqs,
                                i.max_batched_tokens, transfer, i.cpu_offload_gib)
     trtllm = flags.trtllm_kv_cache_config(gpu, host if sizes.offload else None, i.tp)
-    warning = flags.weight_offload_warning(int(i.cpu_offload_gib * GiB), i.pcie_gbs * GB, i.itl_ms / 1e3)
-    return MemoryPlan(i, model, gpu, host, sizes, serve, trtllm, transfer, [warning] if warning else [])
+    warning = flags.weight_offload_warning(int(i.cpu_offload_gib * GiB), cost.pcie.bytes_per_s, cost.itl_s)
+    return MemoryPlan(i, model, gpu, host, sizes, serve, trtllm, transfer, [*warnings, *([warning] if warning else [])],
+                      cost)
 
 
 def _gpu(i: PlanInputs, model: ModelSpec) -> GpuPlan:
@@ -136,10 +141,38 @@ def _host_budget(i: PlanInputs) -> tuple[int, int, int, int, int]:
     return total, reserved, process, int(i.cpu_offload_gib * GiB) * i.tp, int(i.page_cache_gib * GiB)
 
 
-def _cost(model: ModelSpec, i: PlanInputs) -> CostModel:
-    return CostModel(model.layout, ModelCompute(model.params.active, model.attention_pair_flops()), i.tflops * 1e12,
-                     Link("pcie", i.pcie_gbs * GB, 10e-6), Link("disk", i.disk_gbs * GB, 100e-6),
-                     itl_s=i.itl_ms / 1e3)
+def _cost(model: ModelSpec, i: PlanInputs) -> tuple[CostModel, list[str]]:
+    """The stated defaults, the figures the user gave, and a profile's measurements in place of both (a figure
+    given and measured is an error, as is a profile of a model whose KV bytes per token differ); warnings."""
+    cost = CostModel(model.layout, ModelCompute(model.params.active, model.attention_pair_flops()))
+    if i.tflops is not None:
+        cost = replace(cost, flops_per_s=i.tflops * 1e12)
+    if i.pcie_gbs is not None:
+        cost = replace(cost, pcie=Link("pcie", i.pcie_gbs * GB, cost.pcie.latency_s))
+    if i.disk_gbs is not None:
+        cost = replace(cost, disk=Link("disk", i.disk_gbs * GB, cost.disk.latency_s))
+    if i.itl_ms is not None:
+        cost = replace(cost, itl_s=i.itl_ms / 1e3)
+    if i.profile is None:
+        return cost, []
+    given = [flag for flag, value in (("--tflops", i.tflops), ("--pcie-gbs", i.pcie_gbs), ("--disk-gbs", i.disk_gbs),
+                                      ("--itl-ms", i.itl_ms)) if value is not None]
+    return with_profile(cost, i.profile, given)
+
+
+def profile_model(path: Path) -> str:
+    """The model to plan for when --profile is given without --model: the profile's, as a preset (by its name or
+    its hub id) or the local folder it was served from; ValueError asking for --model otherwise."""
+    served = str(load_profile(path).server.get("model") or "")
+    by_hub = {hub.lower(): name for name, hub in HUB_IDS.items()}
+    if served in MODEL_CONFIGS:
+        return served
+    if served.lower() in by_hub:
+        return by_hub[served.lower()]
+    if served and (Path(served) / "config.json").is_file():
+        return served
+    raise ValueError(f"--profile {path}: its model {served or '(none named)'!r} is not a preset, a preset's hub id or "
+                     "a folder with a config.json here; pass --model")
 
 
 def _read(i: PlanInputs) -> list:

@@ -14,6 +14,8 @@ def plan_report(plan: MemoryPlan) -> Report:
     report.add(Text(f"{m.params.total / 1e9:,.2f} B parameters ({m.params.active / 1e9:,.2f} B active), "
                     f"{fmt_bytes(m.weight_bytes)} of weights; {m.layout.bytes_per_token:,} B of {m.layout.dtype} KV "
                     f"per token; tensor parallel {tp}."))
+    if plan.cost is not None:
+        report.add(Text(f"cost model (the latency check, the weight-offload warning): {plan.cost.sources_text()}"))
     for warning in plan.warnings:
         report.add(Text(f"warning: {warning}", "bold red"))
     verdict = "offload: deploy kvtier with the flags below" if s.offload else \

@@ -3,7 +3,8 @@
 Tiering pays only where loading a block is cheaper than recomputing it, and only within the request's latency
 budget, so the analyzer's verdict and the simulator's TTFT both come from these few numbers. They are stated
 defaults, not measurements: pass your own hardware's figures, or a profile that `kvtier calibrate` measured
-(`apply_profile`), whose fits replace them; `measured` names what came from one.
+(`apply_profile`; `with_profile` reads one from a file for the commands), whose fits replace them; `measured`
+names what came from one, and `sources` says per figure where it came from, for every report.
 
 Prefill FLOPs of `n` new tokens after `p` cached ones (the Mooncake FAST'25 form, causal attention):
 
@@ -14,13 +15,16 @@ P = active parameters, L = layers, A = attention FLOPs per (query, key) pair per
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from kvtier.layout import KVLayout, preset
-from kvtier.sim.profile import LineFit, PrefillFit, Profile
+from kvtier.sim.profile import LineFit, PrefillFit, Profile, ProfileError, differences, load_profile, machine_identity
 from kvtier.stores.base import TierKind
 
 GB = 1e9
+SOURCE_ORDER = ("measured", "stated", "default")  # where a figure came from, as the reports list them
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,54 @@ class CostModel:
     prefill_fit: PrefillFit | None = None  # measured: replaces the FLOP count
     decode_fit: LineFit | None = None  # measured: seconds per output token over the batch
     measured: tuple[str, ...] = ()  # the figures a profile gave: "prefill", "decode", "pcie", "disk", "network"
+    profile: Profile | None = field(default=None, compare=False, repr=False)  # what `measured` came from
+    profile_file: str = field(default="", compare=False)  # its file, named in the reports
+
+    def sources(self) -> dict[str, str]:
+        """Per figure, where it came from: "measured (profile FILE, N points, rms X%): value", "default value" or
+        "stated value" (the user's). Every report says which of its numbers were measured and which it assumes."""
+        where = f"profile {self.profile_file}" if self.profile_file else "a profile"
+        return {name: f"measured ({', '.join(filter(None, (where, fit)))}): {value}" if kind == "measured" else
+                f"{kind} {value}" for name, (kind, fit, value) in self._sources().items()}
+
+    def sources_text(self) -> str:
+        """`sources` on one line for the terminal, grouped: "measured (profile FILE): prefill ... (N points, rms X%),
+        ...; default: disk 6 GB/s, ..."."""
+        groups: dict[str, list[str]] = {}
+        for name, (kind, fit, value) in self._sources().items():
+            groups.setdefault(kind, []).append(f"{name} {value}" + (f" ({fit})" if fit else ""))
+        where = f" (profile {self.profile_file})" if self.profile_file else ""
+        return "; ".join(f"{kind}{where if kind == 'measured' else ''}: {', '.join(items)}"
+                         for kind, items in sorted(groups.items(), key=lambda g: SOURCE_ORDER.index(g[0])))
+
+    def _sources(self) -> dict[str, tuple[str, str, str]]:
+        """Per figure: (measured / default / stated, the fit's points and rms or "", the value)."""
+        defaults = CostModel(self.layout, self.compute)
+
+        def fit(f: PrefillFit | LineFit | None, what: str = "") -> str:
+            points = f"{len(f.points)} points, rms {f.relative_rms:.1%}" if f is not None else ""
+            return ", ".join(part for part in (what, points) if part)
+
+        def stated(value: float, default: float, text: str) -> tuple[str, str, str]:
+            return ("default" if value == default else "stated", "", text)
+
+        out = {
+            "prefill": ("measured", fit(self.prefill_fit), f"1,024 new tokens in {_time(self.prefill_seconds(1024))}")
+            if "prefill" in self.measured else
+            stated(self.flops_per_s, defaults.flops_per_s, f"{self.flops_per_s / 1e12:g} TFLOP/s effective"),
+            "decode": ("measured", fit(self.decode_fit), f"{_time(self.itl_at(1))} per token at batch 1")
+            if "decode" in self.measured else stated(self.itl_s, defaults.itl_s, f"{_time(self.itl_s)} per token"),
+        }
+        tiers = {link: tier for tier, link in PROFILE_LINKS.items()}
+        for link, default in zip(self.links, defaults.links, strict=True):
+            if link.name in self.measured:
+                tier = tiers[link.name]
+                out[link.name] = ("measured", fit(self.profile.tiers.get(tier) if self.profile else None,
+                                                  f"load from {tier}"),
+                                  f"{link.bytes_per_s / GB:.3g} GB/s + {_time(link.latency_s)}")
+            else:
+                out[link.name] = stated(link.bytes_per_s, default.bytes_per_s, f"{link.bytes_per_s / GB:g} GB/s")
+        return out
 
     @property
     def links(self) -> tuple[Link, ...]:
@@ -138,6 +190,43 @@ def apply_profile(cost: CostModel, profile: Profile) -> CostModel:
                    network=links.get("network", cost.network))
 
 
+def _time(seconds: float) -> str:
+    return f"{seconds * 1e6:.3g} µs" if seconds < 1e-3 else f"{seconds * 1e3:.3g} ms"
+
+
 def _layout_of(bytes_per_token: int, name: str) -> KVLayout:
     """A layout of the profiled model's bytes per token: only its size matters to the cost model."""
     return KVLayout(1, 1, bytes_per_token, "int8", mla_latent_dim=bytes_per_token, name=name)
+
+
+# ------------------------------------------------------------------------------------------------ from a file
+
+FLAG_FIGURES = {"--tflops": "prefill", "--itl-ms": "decode", "--pcie-gbs": "pcie", "--disk-gbs": "disk",
+                "--network-gbs": "network"}  # each stated-default flag, and the figure it states
+
+
+def with_profile(cost: CostModel, path: Path, flags: Iterable[str] = (), model_given: bool = True,
+                 machine: dict | None = None) -> tuple[CostModel, list[str]]:
+    """`cost` with the profile at `path` in place of its defaults, and warnings for the report. ProfileError (a
+    ValueError: exit code 2) when the file is not a usable profile, when `flags` (those the user gave) state a
+    figure the profile measured (two answers to one question), or, `model_given`, when the profile measured
+    another model (KV bytes per token differ: every block size and transfer would be wrong). A profile from
+    another machine is only warned about: planning is often done away from the machine it plans for."""
+    profile = load_profile(path)
+    per_token = profile.server.get("kv_bytes_per_token")
+    mismatch = differences(profile, server={"kv_bytes_per_token": cost.layout.bytes_per_token})
+    if model_given and mismatch:
+        raise ProfileError(f"--model {cost.layout.name} has {cost.layout.bytes_per_token:,} B of KV per token, but "
+                           f"the profile {path} measured {profile.server.get('model') or 'its model'} at "
+                           f"{per_token:,} B per token: pass that model, or a profile of this one")
+    profiled = replace(apply_profile(cost, profile), profile=profile, profile_file=str(path))
+    if not model_given and profile.server.get("model"):
+        profiled = replace(profiled, layout=replace(profiled.layout, name=str(profile.server["model"])))
+    for flag in flags:
+        if FLAG_FIGURES.get(flag) in profiled.measured:
+            raise ProfileError(f"{flag}: the profile {path} measured {FLAG_FIGURES[flag]}; pass {flag} or --profile, "
+                               "not both (a flag applies alongside a profile only to a figure it did not measure)")
+    elsewhere = differences(profile, machine=machine_identity() if machine is None else machine)
+    warnings = [f"the profile {path} was measured on another machine ({'; '.join(elsewhere)}): its figures are "
+                "that machine's"] if elsewhere else []
+    return profiled, warnings

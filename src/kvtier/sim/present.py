@@ -23,26 +23,28 @@ SOURCES = (ENGINE, "host", "disk")
 
 
 def simulation_report(source: str, results: Sequence[SimResult], setup: ServingSetup,
-                      notes: Sequence[str] = ()) -> Report:
+                      notes: Sequence[str] = (), warnings: Sequence[str] = ()) -> Report:
+    """`warnings`: e.g. a profile measured on another machine, shown above the figures that rest on it."""
     choice, reasons = recommend(results)
     c = setup.cost
     transfer = choice.config.kv_transfer_config()
     assumptions = {
         "model": c.layout.name, "block_tokens": setup.block_tokens, "block_bytes": setup.block_bytes,
         "engine_kv_bytes": setup.engine_kv_bytes, "instances": setup.instances,
-        "prefill_flops_per_s": c.flops_per_s, "itl_s": c.itl_s,
+        "prefill_flops_per_s": None if c.prefill_fit is not None else c.flops_per_s, "itl_s": c.itl_s,
         "links": {link.name: {"bytes_per_s": link.bytes_per_s, "latency_s": link.latency_s} for link in c.links},
+        "profile": c.profile_file or None, "cost_source": c.sources(),
     }
     report = Report(f"kvtier simulate — {source}", data={
-        "trace": source, "deployment": assumptions, "results": [r.as_dict() for r in results],
+        "trace": source, "deployment": assumptions, "warnings": list(warnings),
+        "results": [r.as_dict() for r in results],
         "recommended": {"name": choice.name, "reasons": reasons, "kv_transfer_config": transfer},
     })
-    links = ", ".join(f"{link.name} {link.bytes_per_s / 1e9:g} GB/s" for link in c.links)
-    report.add(Text(
+    report.add(*[Text(f"warning: {w}", "bold yellow") for w in warnings], Text(
         f"{results[0].requests:,} requests, model {c.layout.name} ({fmt_bytes(setup.block_bytes)} per "
         f"{setup.block_tokens}-token block), engine KV {fmt_bytes(setup.engine_kv_bytes)} "
-        f"({setup.engine_blocks:,} blocks), {setup.instances} prefill server(s) at {c.flops_per_s / 1e12:g} TFLOP/s, "
-        f"{links}, decode {fmt_seconds(c.itl_s)} per token."), *[Text(f"note: {n}", "yellow") for n in notes])
+        f"({setup.engine_blocks:,} blocks), {setup.instances} prefill server(s)."),
+        Text(f"cost model: {c.sources_text()}"), *[Text(f"note: {n}", "yellow") for n in notes])
     report.add(
         Heading("Configurations side by side"),
         Table("prompt tokens by source, bytes moved, estimated TTFT",
