@@ -97,3 +97,25 @@ def test_a_prediction_that_misses_names_the_kind_of_prompt_it_missed_most():
     slow = compare(result, prompts, measured_level(result, prompts, {"unique": 3.0}), judged=True)
     assert not slow["within_tolerance"] and abs(slow["errors"]["ttft_p99"]) > TOLERANCE["ttft_p99"]
     assert slow["largest_contributor"].startswith("unique prompts' TTFT")
+
+
+def test_where_requests_overlap_other_draws_of_the_arrivals_give_the_quantiles_range():
+    """At two clients which request waits behind which turns on each think time: the prediction's p50 over other
+    draws spans a range that holds its own, and a miss says whether the measurement is inside it. At one client
+    no request overlaps another: no other draws."""
+    from kvtier.rollout.predict import DRAWS, other_draws
+
+    cost = apply_profile(cost_model(), profile())
+    prompts = workload.builtin(40, 1, 8, 4000)
+    assert other_draws(cost, prompts, Load(clients=1, think_s=0.1), None, 16, BLOCK, seed=0) == []
+    two = Load(clients=2, think_s=0.1)
+    result = predict(cost, prompts, two, None, 16, BLOCK, seed=0)
+    others = other_draws(cost, prompts, two, None, 16, BLOCK, seed=0)
+    assert len(others) == DRAWS
+    p50s = {round(float(np.median(o.ttft_s)), 6) for o in others}
+    assert len(p50s) > 1, "the draws differ in who waits behind whom"
+    level = measured_level(result, prompts, {"unique": 2.0})
+    compared = compare(result, prompts, level, judged=False, others=others)
+    low, high = compared["ttft_ms_range"]["p50"]
+    assert low <= compared["ttft_ms"]["p50"] <= high and compared["draws"] == DRAWS + 1
+    assert f"over {DRAWS + 1} draws of the arrivals" in compared["largest_contributor"]

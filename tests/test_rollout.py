@@ -101,8 +101,26 @@ def test_the_rollout_on_the_embedded_default(tmp_path, served_model):
     assert max(e["ttft_ms"] for e in slow["timeline"]) > slow["budget_ms"], "the injected delay broke the budget"
     assert steps["rollback"]["guard_transitions"] == slow["guard_transitions"]
 
+    # each level was predicted before it was sent, with costs measured on the first server (each fit reproduces
+    # its points) and each server's prefill speed against them
+    assert report["profile"]["from"] == "measured on the first server" and report["profile"]["differs"] == []
+    assert all(rms < 0.25 for rms in report["profile"]["residuals"].values()), report["profile"]["residuals"]
+    assert set(report["server_speed"]) == {"reference", "baseline", "host", "host+disk"}
+    assert all(0.5 < f < 2 for f in report["server_speed"].values()), report["server_speed"]
+    for name in ("reference", "baseline", "host", "host+disk"):
+        for level in steps[name]["levels"]:
+            p = level["predicted"]
+            assert p["judged"] == (level["load"]["clients"] == 1) and p["ttft_ms"]["n"] == 12
+            assert p["tokens"]["prompt"] == level["tokens"]["prompt"]  # the same prompts, simulated
+            assert p["within_tolerance"] or p["largest_contributor"], (name, p)
+            if level["load"]["clients"] == 1:  # one request at a time: the simulator's engine cache is vLLM's
+                assert all(abs(v) <= 5 for v in p["errors"]["tokens_points"].values()), (name, p["errors"])
+    judged = [lv["predicted"] for s in steps.values() for lv in s.get("levels", []) if lv["predicted"]["judged"]]
+    missed = [f for f in report["prediction_findings"] if "missed its tolerance" in f]
+    assert len(missed) == sum(1 for p in judged if not p["within_tolerance"])  # each miss is a finding
+
     write_html(report, tmp_path / "rollout.html")
-    assert (tmp_path / "rollout.html").read_text().count("data:image/png;base64,") == 4
+    assert (tmp_path / "rollout.html").read_text().count("data:image/png;base64,") == 5  # predicted vs measured too
 
 
 def test_a_kv_cache_tester_trace_through_the_cli_and_a_corrupted_restore_caught(tmp_path, served_model):
@@ -113,7 +131,7 @@ def test_a_kv_cache_tester_trace_through_the_cli_and_a_corrupted_restore_caught(
     out = tmp_path / "rollout.json"
     proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "rollout", "--trace", str(ROOT / "tests" / "data" /
                            "traces" / "agentic"), "--steps", "reference,host", "--levels", "1", "--think-s", "0",
-                           "--model", served_model, "--json", str(out)],
+                           "--no-predict", "--model", served_model, "--json", str(out)],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -140,9 +158,11 @@ def test_your_own_server_gets_the_sizes_and_the_disk_root_you_give(tmp_path, ser
     proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "rollout", "--command", template, "--model",
                            str(Path(served_model) / "config.json"), "--host-bytes", "24MiB", "--disk-root", str(root),
                            "--steps", "host+disk", "--levels", "1", "--requests", "6", "--think-s", "0",
-                           "--json", str(out)], capture_output=True, text=True, timeout=900)
+                           "--no-predict", "--json", str(out)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    step = json.loads(out.read_text())["steps"][0]
+    report = json.loads(out.read_text())
+    step = report["steps"][0]
+    assert "profile" not in report and "predicted" not in step["levels"][0]  # --no-predict: nothing calibrated
     assert step["startup_line"].startswith("tiers host 24 MiB ("), step["startup_line"]
     disk = step["config"]["secondary_tiers"][0]
     assert Path(disk["root_dir"]).parent == root
@@ -158,7 +178,7 @@ def test_your_own_server_gets_the_sizes_and_the_disk_root_you_give(tmp_path, ser
     (["--command", "vllm serve m"], "{port}"), (["--command", "x {port}", "--steps", "reference"], "reference"),
     (["--host-bytes", "1000TiB"], "--host-bytes"), (["--host-bytes", "12XB"], "--host-bytes"),
     (["--disk-root", "/no/such/root"], "--disk-root"), (["--disk-root", "/sys"], "/sys: not writable"),
-    (["--rates", "0.5,2"], "--rates"),
+    (["--rates", "0.5,2"], "--rates"), (["--profile", "/no/such/profile.json"], "/no/such/profile.json"),
     (["--kv-config", "/no/such/config.json"], "--kv-config"), (["--think-s", "inf"], "--think-s"),
     (["--command", "x {port}", "--steps", "baseline,host"], "--model"),
     (["--command", "x {port}", "--steps", "baseline,host", "--model", "/no/such/config.json"], "/no/such/config.json"),

@@ -69,6 +69,10 @@ def common(parser: argparse.ArgumentParser, requests: int) -> None:
     parser.add_argument("--requests", type=int, default=requests, help=f"requests per level (default {requests})")
     parser.add_argument("--max-tokens", type=int, default=8, help="output tokens per request at most (default 8)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    parser.add_argument("--profile", type=Path, help="the predictions' costs from this profile (`kvtier calibrate`) "
+                        "instead of measuring them on the first server")
+    parser.add_argument("--no-predict", action="store_true", help="send the levels without predicting them first "
+                        "(no calibration: about a minute less)")
     parser.add_argument("--json", type=Path, help="write every figure to this file")
     parser.add_argument("--html", type=Path, help="write the plots and tables to this HTML file")
 
@@ -115,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
                    ttft_budget_ms=getattr(args, "ttft_budget_ms", None),
                    host_bytes=byte_size("--host-bytes", getattr(args, "host_bytes", None)),
                    disk_bytes=byte_size("--disk-bytes", getattr(args, "disk_bytes", None)),
-                   disk_root=getattr(args, "disk_root", None), kv_config=getattr(args, "kv_config", None))
+                   disk_root=getattr(args, "disk_root", None), kv_config=getattr(args, "kv_config", None),
+                   predict=not args.no_predict, profile=args.profile)
     opts.check()
     console = readable_console(None, width=170)
     report = run_rollout(opts, console)

@@ -5,17 +5,19 @@ each step. `kvtier.rollout.steps` runs the steps through it, `kvtier.rollout.dri
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvtier.rollout import client, figures, workload
+from kvtier.rollout import client, figures, predict, workload
 from kvtier.rollout.options import Options, step_configs
 from kvtier.rollout.server import MAX_MODEL_LEN, Server, embedded_command, free_port, template_command
-from kvtier.rollout.sizes import RolloutSizes
+from kvtier.rollout.sizes import RolloutSizes, bytes_per_token
+from kvtier.sim.cost import CostModel
 
 DRILL_WINDOW_BUDGETS = 3  # the rollback drill's guard window, in budgets: two slowed requests and a margin
 PROBE_REQUESTS = 4  # unique prompts timed one at a time on the first server: the engine's service time
+SPEED_PROMPTS, SPEED_TOKENS = 4, 512  # fresh prompts timed on each server before its levels: its prefill speed
 BUSIEST = 0.8  # the busiest closed-loop level has a request in flight this share of its time, were every prompt
 #   recomputed: below the 0.9 that marks a level saturated, for requests that run longer side by side
 
@@ -29,6 +31,7 @@ class Rollout:
     report: dict = field(default_factory=dict)
     sizes: RolloutSizes | None = None
     service_s: float | None = None  # a recomputed prompt's mean end-to-end time, one at a time (`probe`)
+    cost: CostModel | None = None  # what the first server was measured to cost (`calibrate`): the predictions'
 
     # ---------------------------------------------------------------- servers
 
@@ -45,6 +48,8 @@ class Rollout:
         if self.service_s is None:
             try:
                 self.probe(server)
+                if self.opts.predict:
+                    self.calibrate(server)
             except BaseException:
                 server.kill()
                 raise
@@ -75,6 +80,28 @@ class Rollout:
         self.service_s = sum(ok) / len(ok)
         self.report["capacity"] = {"service_s": self.service_s, "requests_per_s": 1 / self.service_s,
                                    "probe_requests": len(ok), "think_s": self.think_s()}
+
+    def calibrate(self, server: Server) -> None:
+        """The costs the predictions use: `--profile`'s, or measured now on this server (prefill, decode) and on
+        this machine (each tier's load, at the served model's block bytes)."""
+        from kvtier.sim.cost import apply_profile, cost_model
+        from kvtier.sim.profile import differences, load_profile, machine_identity
+
+        if self.opts.profile is not None:
+            profile = load_profile(self.opts.profile)
+        else:
+            from kvtier.calibrate.calibrate import calibrate
+
+            model = self.opts.model if self.opts.command else self.model
+            per_token = bytes_per_token(model) if model is not None else None
+            profile = calibrate(server.url, server.model or "", per_token, disk_root=self.opts.disk_root or self.root,
+                                progress=self.progress)
+        self.cost = apply_profile(cost_model(), profile)
+        geometry = engine_geometry(server)
+        here = {"model": server.model, "block_size": geometry[1] if geometry else None}
+        source = str(self.opts.profile) if self.opts.profile else "measured on the first server"
+        self.report["profile"] = {**profile.as_dict(), "residuals": profile.residuals(), "from": source,
+                                  "differs": differences(profile, machine_identity(), here)}
 
     def think_s(self) -> float:
         """Each closed-loop client's mean think time: as given, or such that the busiest level's N clients, each
@@ -143,17 +170,58 @@ class Rollout:
         self.progress.remove_task(task)
         return figures.summarize(label, results, load, figures.delta(before, after))
 
-    def levels(self, server: Server, step: str, count: int | None = None) -> list[dict]:
-        """Every load level (the first `count`), each with a workload of its own."""
+    def speed(self, server: Server, step: str) -> float:
+        """This server's prefill time over the profile's: the median ratio of `SPEED_PROMPTS` fresh prompts, timed
+        one at a time before its levels. Two processes of one build run some percent apart on a shared machine;
+        the predictions of this server's levels scale the profile's prefill by it."""
+        import random
+        import statistics
+
+        assert self.cost is not None and self.cost.prefill_fit is not None
+        rng = random.Random(f"{self.opts.seed}/speed/{step}")
+        prompts = [client.Prompt(workload.fresh_tokens(rng, SPEED_TOKENS), "speed", 1) for _ in range(SPEED_PROMPTS)]
+        ratios = [r.ttft / self.cost.prefill_fit.seconds(SPEED_TOKENS)
+                  for r in client.send(server.url, server.model or "", prompts) if r.error is None]
+        return statistics.median(ratios) if ratios else 1.0
+
+    def levels(self, server: Server, step: str, kvtier: dict | None, count: int | None = None) -> list[dict]:
+        """Every load level (the first `count`), each with a workload of its own, predicted before it is sent."""
         out = []
+        geometry = engine_geometry(server) if self.cost is not None else None
+        cost = self.cost
+        if cost is not None and cost.prefill_fit is not None and geometry is not None:
+            factor = self.speed(server, step)
+            self.report.setdefault("server_speed", {})[step] = factor
+            cost = replace(cost, prefill_fit=cost.prefill_fit.scaled(factor))
         for index, load in enumerate(self.loads()[:count]):
             name = f"{load.clients} client{'s' if load.clients > 1 else ''}" if load.closed else \
                 f"{load.rate:.2f} req/s"
-            summary = self.measure(server, f"{step}: {name}", self.workload(index + 1), load)
+            prompts = self.workload(index + 1)
+            predicted, others = None, []
+            if cost is not None and geometry is not None:
+                blocks, block_tokens = geometry
+                predicted = predict.predict(cost, prompts, load, kvtier, blocks, block_tokens, self.opts.seed)
+                others = predict.other_draws(cost, prompts, load, kvtier, blocks, block_tokens, self.opts.seed)
+            summary = self.measure(server, f"{step}: {name}", prompts, load)
             summary["level"] = load.clients if load.closed else index + 1
+            if predicted is not None:
+                summary["predicted"] = predict.compare(predicted, prompts, summary,
+                                                       judged=load.closed and load.clients == 1, others=others)
             out.append(summary)
         return out
 
     def sent_workloads(self) -> list[list[client.Prompt]]:
         """The workloads the levels send, in order: what the tiers are sized for."""
         return [self.workload(index + 1) for index in range(self.opts.loads)]
+
+
+def engine_geometry(server: Server) -> tuple[int, int] | None:
+    """(KV blocks, tokens per block) of the server's engine, from vLLM's `cache_config_info`; None if not exported."""
+    import re
+
+    for key in server.metrics("vllm:cache_config_info"):
+        blocks = re.search(r'num_gpu_blocks="(\d+)"', key)
+        size = re.search(r'block_size="(\d+)"', key)
+        if blocks and size:
+            return int(blocks.group(1)), int(size.group(1))
+    return None

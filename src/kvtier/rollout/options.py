@@ -32,6 +32,8 @@ class Options:
     disk_root: Path | None = None  # None: a temp folder of the rollout's
     kv_config: Path | None = None  # a JSON object: step name -> the whole kv_connector_extra_config of that step
     seed: int = 0
+    predict: bool = True  # calibrate on the first server and predict each level before sending it
+    profile: Path | None = None  # the predictions' costs from this profile instead of calibrating
 
     @property
     def loads(self) -> int:
@@ -49,6 +51,10 @@ class Options:
             raise ValueError(f"--think-s: a number of seconds >= 0, got {self.think_s}")
         if self.command and "{port}" not in self.command:
             raise ValueError("--command: the template needs {port} (and {kv_transfer_config} for kvtier's steps)")
+        if self.profile is not None:
+            from kvtier.sim.profile import load_profile
+
+            load_profile(self.profile)  # a bad profile is named before any server starts
         if self.command and "reference" in self.steps:
             raise ValueError("--steps: 'reference' needs the embedded server (it sets the engine cache size)")
         self._check_tiers()

@@ -23,6 +23,7 @@ from kvtier.sim.simulate import ENGINE, ServingSetup, SimResult, simulate
 from kvtier.traces.request import TraceRequest
 
 TOLERANCE = {"ttft_p50": 0.15, "ttft_p99": 0.25, "tokens_points": 5.0}  # judged at one client
+DRAWS = 8  # other draws of the think times (or arrivals) beside the level's own, where requests can overlap
 SOURCES = ("engine", "host", "disk", "recomputed")
 
 
@@ -63,6 +64,17 @@ def predict(cost: CostModel, prompts: Sequence[Prompt], load: Load, kvtier: dict
     return simulate(requests, [config], setup, workers=1, clients=clients)[0]
 
 
+def other_draws(cost: CostModel, prompts: Sequence[Prompt], load: Load, kvtier: dict | None, engine_blocks: int,
+                block_tokens: int, seed: int) -> list[SimResult]:
+    """The level with `DRAWS` other seeds of its think times (or arrivals). Where requests overlap, which one waits
+    behind which turns on milliseconds, so one draw's quantiles are one sample of many: these give their range.
+    None at one client: its requests never overlap."""
+    if load.closed and load.clients == 1:
+        return []
+    return [predict(cost, prompts, load, kvtier, engine_blocks, block_tokens, 1_000_003 * (k + 1) + seed)
+            for k in range(DRAWS)]
+
+
 def tokens_by_source(result: SimResult) -> dict[str, int]:
     """The simulation's prompt tokens by source, named as the rollout names the measured ones."""
     out = {"prompt": result.total_tokens, "engine": 0, "host": 0, "disk": 0, "recomputed": 0}
@@ -73,9 +85,11 @@ def tokens_by_source(result: SimResult) -> dict[str, int]:
     return out
 
 
-def compare(result: SimResult, prompts: Sequence[Prompt], level: dict, judged: bool) -> dict:
+def compare(result: SimResult, prompts: Sequence[Prompt], level: dict, judged: bool,
+            others: Sequence[SimResult] = ()) -> dict:
     """The prediction beside `level`'s measurement: TTFT quantiles and tokens by source of both, the errors,
-    whether they are within `TOLERANCE` (`judged`: at one client), and the largest contributor to a miss."""
+    whether they are within `TOLERANCE` (`judged`: at one client), the range of the quantiles over the `others`
+    draws, and the largest contributor to a miss."""
     ok = [i for i, r in enumerate(level["results"]) if r["error"] is None]
     predicted = quantiles([float(result.ttft_s[i]) for i in ok])
     measured = level["ttft_ms"]
@@ -91,6 +105,10 @@ def compare(result: SimResult, prompts: Sequence[Prompt], level: dict, judged: b
     out = {"ttft_ms": predicted, "tokens": tokens, "errors": errors, "judged": judged, "within_tolerance": within,
            "queue_ms_mean": 1e3 * float(result.queue_s[ok].mean()) if ok else None,
            "load_ms_mean": 1e3 * float(result.load_s[ok].mean()) if ok else None}
+    if others:
+        draws = [predicted] + [quantiles([float(o.ttft_s[i]) for i in ok]) for o in others]
+        out["ttft_ms_range"] = {q: [min(d[q] for d in draws), max(d[q] for d in draws)] for q in ("p50", "p95", "p99")}
+        out["draws"] = len(draws)
     out["largest_contributor"] = None if within else contributor(result, prompts, level, out)
     return out
 
@@ -110,6 +128,13 @@ def contributor(result: SimResult, prompts: Sequence[Prompt], level: dict, predi
     source = max(points, key=lambda s: abs(points[s]))
     if abs(points[source]) > TOLERANCE["tokens_points"]:
         words.append(f"{source} tokens {points[source]:+.1f} points off")
+    spread = predicted.get("ttft_ms_range")
+    if spread:
+        inside = [q for q in ("p50", "p99") if spread[q][0] <= level["ttft_ms"][q] <= spread[q][1]]
+        words.append(f"over {predicted['draws']} draws of the arrivals, which request waits behind which moves "
+                     f"the predicted p50 over {spread['p50'][0]:,.0f}-{spread['p50'][1]:,.0f} ms and p99 over "
+                     f"{spread['p99'][0]:,.0f}-{spread['p99'][1]:,.0f} ms; measured "
+                     + (f"{' and '.join(inside)} inside" if inside else "outside both"))
     queue = level["load"].get("queue_ms_mean")
     if queue is not None and predicted["queue_ms_mean"] is not None:
         words.append(f"queue: predicted {predicted['queue_ms_mean']:,.0f} ms mean, vLLM measured {queue:,.0f} ms")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 SOURCES = ("engine", "host", "disk", "remote", "recomputed")
+PREDICTED = ("engine", "host", "disk", "recomputed")  # the simulator has no remote tier
 
 
 def tables(report: dict) -> list[Any]:
@@ -41,8 +42,36 @@ def tables(report: dict) -> list[Any]:
             p99 = f"{d['ttft_ms']['p99']:.0f} ({d['ttft_ms']['n']})" if "ttft_ms" in d else "—"
             errors = str(d.get("errors", sum(1 for e in d.get("timeline", []) if e["error"])))
             drills.add_row(s["name"], d["drill"], d["what"], p99, errors, d["outcome"])
-    out: list[Any] = [levels, drills, *_notes(report)]
-    return out
+    out: list[Any] = [levels, drills]
+    if any("predicted" in lv for s in report["steps"] for lv in s.get("levels", [])):
+        out.append(predictions(report))
+    return out + _notes(report)
+
+
+def predictions(report: dict) -> Any:
+    """Each level's prediction (`kvtier.rollout.predict`) beside its measurement."""
+    from rich.table import Table
+
+    table = Table(title="predicted (simulate, before the level was sent) / measured; tokens by source as % of the "
+                  "prompt tokens; judged at one client: TTFT p50 within 15%, p99 within 25%, each source within 5 "
+                  "points", title_justify="left")
+    for col in ("step", "load", "TTFT p50 ms", "TTFT p95 ms", "TTFT p99 ms", *(f"{s} %" for s in PREDICTED),
+                "verdict"):
+        table.add_column(col, justify="left" if col in ("step", "verdict") else "right", overflow="fold")
+    for s in report["steps"]:
+        for i, level in enumerate(s.get("levels", [])):
+            p = level.get("predicted")
+            if p is None:
+                continue
+            mine, seen = p["tokens"], level["tokens"]
+            cells = [f"{p['ttft_ms'][q]:,.0f} / {level['ttft_ms'][q]:,.0f} ({p['errors']['ttft_' + q]:+.0%})"
+                     for q in ("p50", "p95", "p99")]
+            shares = [f"{100 * mine[k] / max(1, mine['prompt']):.0f} / {100 * seen[k] / max(1, seen['prompt']):.0f}"
+                      for k in PREDICTED]
+            verdict = ("within tolerance" if p["within_tolerance"] else
+                       ("MISSED: " if p["judged"] else "off: ") + (p["largest_contributor"] or ""))
+            table.add_row(s["name"] if i == 0 else "", _load(level["load"]), *cells, *shares, verdict)
+    return table
 
 
 def _notes(report: dict) -> list[str]:
@@ -64,9 +93,18 @@ def _notes(report: dict) -> list[str]:
                        f"server {_gib(s['server_rss_bytes'])}, reserve {_gib(s['reserve_bytes'])} (a tenth of the "
                        f"host) -> {_gib(s['headroom_bytes'])} left; host tier {_gib(s['host_tier_bytes'])}: "
                        + ("fits" if s["fits"] else "DOES NOT FIT"))
+    profile = report.get("profile")
+    if profile:
+        fits = ", ".join(f"{name} {rms:.0%}" for name, rms in profile["residuals"].items())
+        out.append(f"costs for the predictions: {profile['from']}; each fit's rms miss of its own points: {fits}")
+        out += [f"profile differs: {d}" for d in profile.get("differs", [])]
+    speed = report.get("server_speed")
+    if speed:
+        out.append("each server's prefill time against the profile's (fresh prompts before its levels; its "
+                   "predictions scaled by it): " + ", ".join(f"{step} {f:.2f}x" for step, f in speed.items()))
     for name, f in report.get("findings", {}).items():
         out.append(finding(name, f))
-    return out
+    return out + report.get("prediction_findings", [])
 
 
 def finding(name: str, f: dict) -> str:
@@ -116,6 +154,19 @@ def write_html(report: dict, path: Path) -> None:
         bottom = [b + v for b, v in zip(bottom, values)]
     _finish(ax, "step", "prompt tokens", "prompt tokens by source (all levels)")
     figures.append(_png(fig))
+    predicted = [(s["name"], lv) for s in served for lv in s["levels"] if "predicted" in lv]
+    if predicted:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for q, marker in (("p50", "o"), ("p99", "^")):
+            measured = [lv["ttft_ms"][q] for _, lv in predicted]
+            ax.scatter(measured, [lv["predicted"]["ttft_ms"][q] for _, lv in predicted], marker=marker,
+                       label=f"TTFT {q}")
+        for name, lv in predicted:
+            ax.annotate(f"{name}/{lv['level']}", (lv["ttft_ms"]["p99"], lv["predicted"]["ttft_ms"]["p99"]), fontsize=7)
+        top = max(max(lv["ttft_ms"]["p99"], lv["predicted"]["ttft_ms"]["p99"]) for _, lv in predicted)
+        ax.plot([0, top], [0, top], color="grey", linestyle="--", label="predicted = measured")
+        _finish(ax, "measured TTFT (ms)", "predicted TTFT (ms)", "prediction against measurement, per step/level")
+        figures.append(_png(fig))
     drill = next((d for s in report["steps"] for d in s.get("drills", []) if "timeline" in d), None)
     if drill:
         timeline = drill["timeline"]

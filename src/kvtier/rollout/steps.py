@@ -56,7 +56,7 @@ def serve(ro: Rollout, step: str) -> dict:
             budget = ro.report["drill_budget_ms"]
             entry["drills"] = [drills.rollback(ro, server, budget)] if budget else []
             return entry
-        entry["levels"] = ro.levels(server, step, count=1 if step == "reference" else None)
+        entry["levels"] = ro.levels(server, step, kvtier, count=1 if step == "reference" else None)
         entry["server_rss_bytes"] = server.rss_bytes()
         if step == "baseline" and ro.report["budget_ms"] is None:
             ro.report["budget_ms"] = budget_from(entry["levels"])
@@ -105,6 +105,23 @@ def conclude(report: dict, prompts: list[list[int]]) -> None:
             not all(lv["within_budget"] for lv in levels if not lv["load"]["saturated"])
         s["guard_transitions"] = transitions(s)
     report["findings"] = findings(steps, budget)
+    report["prediction_findings"] = prediction_findings(report["steps"])
+
+
+def prediction_findings(steps: list[dict]) -> list[str]:
+    """Each level whose prediction missed its tolerance, with what missed most (judged ones at one client; the
+    others reported as errors to explain)."""
+    out = []
+    for s in steps:
+        for level in s.get("levels", []):
+            p = level.get("predicted")
+            if p is None or p["within_tolerance"]:
+                continue
+            e = p["errors"]
+            out.append(f"{s['name']} at level {level['level']}: the prediction "
+                       f"{'missed its tolerance' if p['judged'] else 'is off'} (TTFT p50 {e['ttft_p50']:+.0%}, p99 "
+                       f"{e['ttft_p99']:+.0%}); largest contributor: {p['largest_contributor']}")
+    return out
 
 
 def transitions(step: dict) -> dict[str, float]:

@@ -33,11 +33,16 @@ UNIQUE_TOKENS = 1536
 ROUND = ("system", "rag", "session", "system", "unique", "rag", "system", "session", "rag", "unique")
 
 
+def fresh_tokens(rng: random.Random, n: int) -> list[int]:
+    """`n` token ids drawn at random: a prompt no cache has seen."""
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
 def builtin(n_requests: int, salt: int, max_tokens: int, max_prompt: int) -> list[Prompt]:
     rng = random.Random(f"builtin/{salt}")
 
     def tokens(n: int) -> list[int]:
-        return [rng.randrange(3, VOCAB) for _ in range(n)]
+        return fresh_tokens(rng, n)
 
     systems = [tokens(SYSTEM_TOKENS) for _ in range(SYSTEM_PROMPTS)]
     documents = [systems[d % SYSTEM_PROMPTS] + tokens(DOCUMENT_TOKENS) for d in range(DOCUMENTS)]
@@ -75,7 +80,7 @@ def from_trace(path: Path, n_requests: int | None, salt: int, max_tokens: int, m
             if len(tokens) >= request.input_tokens:
                 break
         tail = random.Random(f"{salt}/tail/{i}")
-        tokens += [tail.randrange(3, VOCAB) for _ in range(request.input_tokens - len(tokens))]
+        tokens += fresh_tokens(tail, request.input_tokens - len(tokens))
         tokens = tokens[: min(request.input_tokens, max_prompt)] or [3]
         prompts.append(Prompt(tokens, "trace", max(1, min(request.output_tokens, max_tokens))))
     if not prompts:
@@ -94,5 +99,4 @@ def mark_reuse(prompts: list[Prompt]) -> list[Prompt]:
 
 
 def _block_tokens(block: int, n: int, salt: int) -> list[int]:
-    rng = random.Random(block * 1_000_003 + salt)
-    return [rng.randrange(3, VOCAB) for _ in range(n)]
+    return fresh_tokens(random.Random(block * 1_000_003 + salt), n)

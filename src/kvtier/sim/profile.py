@@ -19,7 +19,7 @@ import json
 import os
 import platform
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,12 @@ class PrefillFit:
         if n <= 0:
             return 0.0
         return self.fixed_s + self.per_token_s * n + self.per_pair_s * (n * p + n * (n + 1) / 2)
+
+    def scaled(self, factor: float) -> PrefillFit:
+        """The same shape on a server `factor` times as slow (one process of the same build can run some percent
+        apart from another on a shared machine)."""
+        return replace(self, fixed_s=self.fixed_s * factor, per_token_s=self.per_token_s * factor,
+                       per_pair_s=self.per_pair_s * factor)
 
 
 @dataclass(frozen=True)
