@@ -16,7 +16,7 @@ from kvtier.layout import KVLayout
 from kvtier.sim.configs import SimConfig
 from kvtier.sim.cost import CostModel, ModelCompute, cost_model
 from kvtier.sim.engine import EngineCache
-from kvtier.sim.simulate import ServingSetup, recommend, simulate
+from kvtier.sim.simulate import ServingSetup, held_blocks, recommend, simulate
 from kvtier.traces.request import TraceRequest
 from kvtier.traces.workloads import GENERATORS, generate_trace
 from kvtier.traces.write import write_kvtier_jsonl
@@ -51,7 +51,7 @@ def tiered_cache_hits(requests, extra: dict, engine_blocks: int, tmp_path) -> tu
             hits["engine"] += in_engine
             if in_engine < len(keys):
                 cache.load(keys[in_engine:])
-            engine.insert(r.blocks)
+            engine.insert(r.blocks, held=held_blocks(r))
             cache.store(keys, [block] * len(keys), priority=r.priority)
             cache.flush()
         stats = cache.directory.stats
@@ -70,7 +70,7 @@ def test_simulator_and_tiered_cache_report_identical_hits(tmp_path, extra):
     workload = replace(GENERATORS["shared"], requests=160, block_tokens=16, system_blocks=4, document_blocks=6,
                        documents=12, unique_blocks=6, seed=5)
     requests = sequential(generate_trace(workload))
-    dep = ServingSetup(TINY, block_tokens=16, engine_kv_bytes=8 * PAYLOAD, instances=1)
+    dep = ServingSetup(TINY, block_tokens=16, engine_kv_bytes=16 * PAYLOAD, instances=1)  # holds a request
     [result] = simulate(requests, [SimConfig("under test", extra)], dep)
     expected, evictions = tiered_cache_hits(requests, extra, dep.engine_blocks, tmp_path)
     assert {k: v for k, v in result.hit_blocks.items() if v} == {k: v for k, v in expected.items() if v}

@@ -54,11 +54,13 @@ def poisson(n: int, rate: float, seed: int) -> list[float]:
 
 def predict(cost: CostModel, prompts: Sequence[Prompt], load: Load, kvtier: dict | None, engine_blocks: int,
             block_tokens: int, seed: int) -> SimResult:
-    """What the level will do: one simulation of its prompts, sent as the rollout's client sends them."""
+    """What the level will do: one simulation of its prompts, sent as the rollout's client sends them.
+    `engine_blocks`: vLLM's `num_gpu_blocks`."""
     arrivals = None if load.closed else poisson(len(prompts), load.rate or 1.0, seed)
     requests = as_trace(prompts, block_tokens, arrivals)
     extra = None if kvtier is None else {**kvtier, "block_size": block_tokens, "engine_block_size": block_tokens}
-    setup = ServingSetup(cost, block_tokens, engine_blocks * cost.block_bytes(block_tokens), instances=1)
+    usable = engine_blocks - 1  # vLLM keeps one of its blocks as the null block: it never caches
+    setup = ServingSetup(cost, block_tokens, usable * cost.block_bytes(block_tokens), instances=1)
     clients = ClosedLoop(load.clients, load.think_s, seed) if load.closed else None
     config = SimConfig("predicted", extra)
     return simulate(requests, [config], setup, workers=1, clients=clients)[0]

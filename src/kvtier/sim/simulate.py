@@ -209,7 +209,7 @@ def _run(
             now[0] = when
             full = _full_blocks(requests[i])
             if kind == 0:
-                engine.insert(requests[i].blocks[:full])
+                engine.insert(requests[i].blocks[:full], held=held_blocks(requests[i]))
                 if control is not None:
                     control.observe(sources_of[i], when, ttft_s=ttft[i], served_s=served[i])
                 continue
@@ -301,6 +301,11 @@ def _decoding(events: list[tuple[float, int, int]], at: float) -> int:
 def _full_blocks(request: TraceRequest) -> int:
     """Blocks the engine caches and kvtier stores: full ones only (a trace's last block may be partial)."""
     return min(len(request.blocks), request.input_tokens // request.block_tokens)
+
+
+def held_blocks(request: TraceRequest) -> int:
+    """Blocks the request holds in the engine at its longest: its prompt and its output but the last token."""
+    return -(-(request.input_tokens + request.output_tokens - 1) // request.block_tokens)
 
 
 def _priority(request: TraceRequest) -> int:
