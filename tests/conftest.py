@@ -135,6 +135,20 @@ def redis_server(tmp_path):
     server.stop()
 
 
+@pytest.fixture
+def redis_cluster(tmp_path):
+    """A real Redis Cluster: six redis-server nodes with `--cluster-enabled yes` on free loopback ports, joined by
+    `redis-cli --cluster create … --cluster-replicas 1` (three primaries, a replica each); stopped after."""
+    from kvtier.bench.redis_server import RedisClusterNodes, redis_server_binary
+
+    binary = redis_server_binary()
+    if binary is None:
+        missing("redis-server is not installed (make venv installs it: apt-get install redis-server)")
+    cluster = RedisClusterNodes(binary, tmp_path / "cluster").start()
+    yield cluster
+    cluster.stop()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def contained_temp_files(tmp_path_factory) -> None:
     """vLLM leaves files in the temp folder (its processes' sockets, its process group's file store): this run's

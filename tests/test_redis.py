@@ -444,6 +444,29 @@ def test_redis_tier_config(redis_server):
     assert tls.connection_kwargs() == {"ssl_ca_certs": "/ca.pem", "ssl_cert_reqs": "required"}
 
 
+def test_a_cluster_node_is_refused_at_startup_naming_the_url(redis_cluster):
+    """The single-node tier against a node of a real 6-node cluster: its scripts' undeclared keys would reach other
+    nodes' slots (every put failed, every read missed, the breaker closed), so the tier is refused at startup, its
+    url named without the password; a url that does not answer is not judged (the breaker's job)."""
+    seed = redis_cluster.nodes[0]
+    with seed.client() as c:
+        assert c.info("cluster")["cluster_enabled"] == 1 and c.cluster("info")["cluster_state"] == "ok"
+    with seed.client() as c:  # a password, to see it left out of the error
+        c.config_set("requirepass", "secret")
+    url = f"redis://default:secret@127.0.0.1:{seed.port}/0"
+    tier = {"type": "redis", "url": url, "max_bytes": 1 << 20, "trusted_network": True}
+    config = parse_config({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [tier]})
+    with pytest.raises(ValueError, match=rf"redis tier url redis://default:\*+@127.0.0.1:{seed.port}/0: a Redis "
+                       "Cluster node") as err:
+        redis_store(config.secondary_tiers[0], NS, PAYLOAD)
+    assert "secret" not in str(err.value)
+    seed.stop()
+    down = parse_config({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [tier]}).secondary_tiers[0]
+    store = redis_store(down, NS, PAYLOAD)  # not answering: built, and its calls are statuses
+    assert store.cluster_enabled() is None and store.exists_many(chain(1)) == [False]
+    store.close()
+
+
 def test_bench_measures_both_sides(redis_server):
     from kvtier.bench.redis_tier import _one_size
 

@@ -64,12 +64,17 @@ def redis_store(tier: RedisTierConfig, namespace: str, payload_nbytes: int,
     from kvtier.stores.redis import RedisStore  # redis-py loads only where a redis tier is configured
 
     breaker = CircuitBreaker(tier.breaker_failures, tier.breaker_cooldown_s)
-    return RedisStore(
+    store = RedisStore(
         tier.url, namespace, payload_nbytes, tier.max_bytes, key_prefix=tier.key_prefix,
         socket_timeout_s=tier.socket_timeout_s, connect_timeout_s=tier.connect_timeout_s,
         pool_size=tier.pool_size, breaker=breaker, auth_key=auth_key, oom_cap_s=tier.oom_cap_s,
         **tier.connection_kwargs(),
     )
+    if store.cluster_enabled():
+        store.close()
+        raise ValueError(f"redis tier url {redact_url(tier.url)}: a Redis Cluster node (cluster_enabled:1); the redis "
+                         "tier runs on one Redis or Valkey node (docs/scaling.md)")
+    return store
 
 
 def build_mover(config: KVTierConfig, stores: Stores, report: Reporter, metrics: Metrics,

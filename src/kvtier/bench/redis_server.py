@@ -7,8 +7,10 @@ what kvtier does when the shared tier goes away and comes back.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -107,6 +109,94 @@ class RedisServer:
             return (self.dir / "redis.log").read_text()[-2000:]
         except OSError:
             return ""
+
+
+def cluster_port() -> int:
+    """A free loopback port whose cluster bus port (10,000 above) is free too: at most 55,535."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20_000, 55_535)
+        try:
+            for p in (port, port + 10_000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+
+
+class RedisClusterNodes:
+    """A real Redis Cluster on loopback: `primaries` primaries with `replicas` replicas each, every node a
+    `RedisServer` with `--cluster-enabled yes`, joined by `redis-cli --cluster create`. Nodes can be killed,
+    restarted and added one by one, as the drills need."""
+
+    def __init__(self, binary: str, directory: Path, primaries: int = 3, replicas: int = 1,
+                 extra: tuple[str, ...] = ()) -> None:
+        self.binary, self.dir, self.extra = binary, directory, extra
+        self.primaries, self.replicas = primaries, replicas
+        self.nodes: list[RedisServer] = []
+
+    @property
+    def seed_url(self) -> str:
+        return self.nodes[0].url
+
+    def node(self, index: int | None = None) -> RedisServer:
+        """A new cluster-enabled node, started (not yet a member): `index` names its folder."""
+        index = len(self.nodes) if index is None else index
+        for attempt in range(20):  # another process may take a port between the check and the start
+            server = RedisServer(self.binary, self.dir / f"node{index}", port=cluster_port(), extra=(
+                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
+                *self.extra))
+            try:
+                server.start()
+                break
+            except RuntimeError:
+                if attempt == 19:
+                    raise
+        self.nodes.append(server)
+        return server
+
+    def start(self, timeout_s: float = 30.0) -> RedisClusterNodes:
+        for _ in range(self.primaries * (1 + self.replicas)):
+            self.node()
+        addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        self.cli("--cluster", "create", *addresses, "--cluster-replicas", str(self.replicas), "--cluster-yes")
+        self.wait_ok(timeout_s)
+        return self
+
+    def cli(self, *args: str) -> str:
+        """`redis-cli` with these arguments; raises naming its output when it fails."""
+        redis_cli = shutil.which("redis-cli") or str(Path(self.binary).with_name("redis-cli"))
+        proc = subprocess.run([redis_cli, *args], capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"redis-cli {' '.join(args[:2])} exited {proc.returncode}: "
+                               f"{(proc.stdout + proc.stderr)[-2000:]}")
+        return proc.stdout
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Until every running node reports `cluster_state:ok` with all 16,384 slots assigned."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = []
+            for n in self.nodes:
+                if n.proc is None:
+                    continue
+                try:
+                    with n.client() as c:
+                        info = c.execute_command("CLUSTER", "INFO")
+                    text = info.decode() if isinstance(info, bytes) else str(info)
+                    states.append("cluster_state:ok" in text and "cluster_slots_assigned:16384" in text)
+                except redis.exceptions.RedisError:
+                    states.append(False)
+            if states and all(states):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the cluster was not ok within {timeout_s} s")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
 
 
 @contextmanager

@@ -40,7 +40,7 @@ it is sent, and its refusal reclaims only if no other reclaim ran since. After `
 tier grows back (memory added to Redis is used; memory still short costs one refused put). Under an `allkeys-*`
 policy Redis may drop values itself: reads of those miss, `lookup` stops at the first missing block, and the
 count over-states until our own eviction reaches the entry. Not Redis Cluster-ready: the scripts touch keys they
-do not declare (one hash slot per key_prefix would fix that).
+do not declare, so a url of a cluster node is refused at startup (`cluster_enabled`).
 
 Every call goes through a circuit breaker: with Redis down or slow, lookups return misses and stores are
 dropped at once (counted), instead of costing a timeout each."""
@@ -127,6 +127,16 @@ class RedisStore:
             retry=Retry(NoBackoff(), 0), health_check_interval=0, **connection_kwargs,
         )
         self._counts, self._counts_lock = Counter[str](), threading.Lock()
+
+    def cluster_enabled(self) -> bool | None:
+        """Whether the server is a Redis Cluster node (`INFO cluster`); None when it does not answer (the breaker
+        handles that later). On a cluster node the scripts' undeclared keys reach other nodes' slots: every put
+        fails and every read misses, so the caller refuses the url at startup instead."""
+        try:
+            info = redis.Redis(connection_pool=self._pool).info("cluster")
+        except (*_UNAVAILABLE, redis.exceptions.ResponseError):
+            return None
+        return bool(info.get("cluster_enabled"))
 
     @property
     def authenticated(self) -> bool:
