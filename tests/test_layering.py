@@ -24,7 +24,7 @@ ROWS = [
     {"cache"},
     {"integrations"},
     {"demo"},  # the in-process demo: TieredCache behind an engine stand-in
-    {"rollout"},  # a real server over HTTP, its drills' faults, its exactness check
+    {"rollout", "calibrate"},  # a real server over HTTP: the rollout's steps, drills, exactness; its measured costs
     {"bench"},  # the benchmarks: the rollout's server starter and slow disk for the vLLM figures
     {"cli"},  # the `kvtier` command: every command above
 ]

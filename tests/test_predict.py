@@ -11,7 +11,7 @@ from kvtier.rollout import workload
 from kvtier.rollout.client import Load, Prompt
 from kvtier.rollout.predict import TOLERANCE, as_trace, compare, poisson, predict
 from kvtier.sim.cost import apply_profile, cost_model
-from kvtier.sim.profile import Profile, fit_line, fit_prefill
+from kvtier.sim.profile import Profile, fit_line, fit_prefill_curve
 
 PER_TOKEN = 4096  # KV bytes per token of the profiled model
 BLOCK = 128
@@ -23,7 +23,7 @@ def profile(fixed_s: float = 0.05, per_token_s: float = 1e-4, itl: tuple[float, 
     decode = [(b, itl[0] + itl[1] * b) for b in (1, 2, 4)]
     host = [(k * BLOCK * PER_TOKEN, 1e-4 + k * BLOCK * PER_TOKEN / 5e9) for k in (1, 4, 16)]
     return Profile({"cpu": "test"}, {"model": "tiny", "block_size": BLOCK, "kv_bytes_per_token": PER_TOKEN},
-                   fit_prefill(points), fit_line(decode, "decode"), {"host": fit_line(host, "host")})
+                   fit_prefill_curve(points), fit_line(decode, "decode"), {"host": fit_line(host, "host")})
 
 
 def test_a_closed_loop_client_sends_its_next_request_when_its_last_one_ended_and_it_thought():
@@ -80,11 +80,11 @@ def test_a_host_tier_serves_the_reused_prompts_the_engine_cache_lost():
 def measured_level(result, prompts: list[Prompt], scale: dict[str, float]) -> dict:
     """A level's record as the rollout keeps it, its TTFTs the prediction's scaled per kind of prompt."""
     from kvtier.rollout.figures import quantiles
-    from kvtier.rollout.predict import tokens_by_source
+    from kvtier.rollout.predict import simulated_tokens
 
     ttfts = [float(result.ttft_s[i]) * scale.get(p.kind, 1.0) for i, p in enumerate(prompts)]
     return {"results": [{"error": None, "ttft": t} for t in ttfts], "ttft_ms": quantiles(ttfts),
-            "tokens": tokens_by_source(result), "load": {"queue_ms_mean": 0.0}}
+            "tokens": simulated_tokens(result), "load": {"queue_ms_mean": 0.0}}
 
 
 def test_a_prediction_that_misses_names_the_kind_of_prompt_it_missed_most():

@@ -12,7 +12,7 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.layout import preset
-from kvtier.sim.profile import Profile, ProfileError, fit_line, fit_prefill, load_profile, machine_identity
+from kvtier.sim.profile import Profile, ProfileError, fit_line, fit_prefill_curve, load_profile, machine_identity
 
 TRACE = str(Path(__file__).parent / "data" / "traces" / "mooncake_small.jsonl")
 LLAMA_8B = {"model": "meta-llama/Llama-3.1-8B-Instruct", "block_size": 16,
@@ -34,8 +34,8 @@ def write_profile(path: Path, fixed: float = 0.02, per_token: float = 1e-4, per_
     tiers = {}
     if host_gbs is not None:
         tiers["host"] = fit_line([(k * 2**21, 30e-6 + k * 2**21 / (host_gbs * 1e9)) for k in (1, 4, 16, 64)], "host")
-    Profile(machine or machine_identity(), server or LLAMA_8B, fit_prefill(prefill_points(fixed, per_token, per_pair)),
-            decode, tiers).write(path)
+    prefill = fit_prefill_curve(prefill_points(fixed, per_token, per_pair))
+    Profile(machine or machine_identity(), server or LLAMA_8B, prefill, decode, tiers).write(path)
     return path
 
 
@@ -48,7 +48,7 @@ def flat(text: str) -> str:
 
 
 def test_fit_prefill_recovers_its_coefficients_from_noisy_points():
-    fit = fit_prefill(prefill_points(0.03, 1.5e-4, 2e-8, noise=0.03, seed=1))
+    fit = fit_prefill_curve(prefill_points(0.03, 1.5e-4, 2e-8, noise=0.03, seed=1))
     assert fit.fixed_s == pytest.approx(0.03, rel=0.1)
     assert fit.per_token_s == pytest.approx(1.5e-4, rel=0.1)
     assert fit.per_pair_s == pytest.approx(2e-8, rel=0.1)
@@ -68,7 +68,7 @@ def test_a_fit_that_misses_its_points_is_refused_naming_the_fit_and_the_file(tmp
     path = write_profile(tmp_path / "p.json")
     data = json.loads(path.read_text())
     wild = [(n, c, t * (4.0 if i % 2 else 0.25)) for i, (n, c, t) in enumerate(prefill_points(0.02, 1e-4, 1e-9))]
-    refit = fit_prefill(wild)  # the form cannot follow times that jump 16x between neighbours
+    refit = fit_prefill_curve(wild)  # the form cannot follow times that jump 16x between neighbours
     assert refit.relative_rms > 0.25
     data["prefill"] = {**data["prefill"], "points": wild, "relative_rms": refit.relative_rms}
     path.write_text(json.dumps(data))

@@ -29,7 +29,7 @@ from kvtier.sim.profile import (
     Profile,
     checked,
     fit_line,
-    fit_prefill,
+    fit_prefill_curve,
     machine_identity,
 )
 
@@ -59,7 +59,7 @@ def calibrate(url: str, model: str, kv_bytes_per_token: int | None, disk_root: P
         longest = longest_prompt(url, model, limit, PREFILL_BUDGET_S)
     with _task(progress, f"calibrate: prefill up to {longest} tokens", len(prefill_plan(block_size, longest))) as step:
         points = measure_prefill(url, model, block_size, longest, repeats, on_point=lambda _: step())
-    prefill = checked(fit_prefill(points), "prefill")
+    prefill = checked(fit_prefill_curve(points), "prefill")
     assert isinstance(prefill, PrefillFit)
 
     def decode_points(step: Callable[[], None]) -> dict[str, list[tuple[float, float]]]:

@@ -77,7 +77,7 @@ def other_draws(cost: CostModel, prompts: Sequence[Prompt], load: Load, kvtier: 
             for k in range(DRAWS)]
 
 
-def tokens_by_source(result: SimResult) -> dict[str, int]:
+def simulated_tokens(result: SimResult) -> dict[str, int]:
     """The simulation's prompt tokens by source, named as the rollout names the measured ones."""
     out = {"prompt": result.total_tokens, "engine": 0, "host": 0, "disk": 0, "recomputed": 0}
     for source, tokens in result.hit_tokens.items():
@@ -95,7 +95,7 @@ def compare(result: SimResult, prompts: Sequence[Prompt], level: dict, judged: b
     ok = [i for i, r in enumerate(level["results"]) if r["error"] is None]
     predicted = quantiles([float(result.ttft_s[i]) for i in ok])
     measured = level["ttft_ms"]
-    tokens = tokens_by_source(result)
+    tokens = simulated_tokens(result)
     share = {s: 100 * tokens[s] / max(1, tokens["prompt"]) for s in SOURCES}
     seen = level["tokens"]
     seen_share = {s: 100 * seen.get(s, 0) / max(1, seen["prompt"]) for s in SOURCES}

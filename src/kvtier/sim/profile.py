@@ -167,7 +167,7 @@ def _line(data: dict[str, Any]) -> LineFit:
 # ------------------------------------------------------------------------------------------------ fitting
 
 
-def fit_prefill(points: Sequence[tuple[int, int, float]]) -> PrefillFit:
+def fit_prefill_curve(points: Sequence[tuple[int, int, float]]) -> PrefillFit:
     """Least squares of the prefill form over (new, cached, seconds), each point weighted by 1/seconds (relative
     error: short and long prompts count alike), coefficients kept non-negative."""
     if len(points) < 4:
