@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvtier.cli.trace_commands import cost_flags
 from kvtier.config import finite_float
 from kvtier.plan.make import PlanInputs
 
@@ -62,13 +63,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", type=Path, help="a trace in any format `kvtier analyze` reads: sizes at its knee")
     p.add_argument("--ttft-budget-ms", type=finite_float, default=d.ttft_budget_ms,
                    help="p99 TTFT budget (default 2000)")
-    p.add_argument("--profile", type=Path, metavar="FILE", help="a profile `kvtier calibrate` measured: its prefill, "
-                   "decode and tier-load fits replace the stated defaults below (a flag below for a figure it "
-                   "measured is an error; one for a figure it did not measure applies); its model must have "
-                   "--model's KV bytes per token")
-    p.add_argument("--tflops", type=finite_float, help="effective prefill TFLOP/s (default 400)")
-    p.add_argument("--pcie-gbs", type=finite_float, help="host <-> GPU GB/s (default 25)")
-    p.add_argument("--disk-gbs", type=finite_float, help="NVMe read GB/s (default 6)")
+    cost_flags(p, model_rule="; its model must have --model's KV bytes per token")
     p.add_argument("--itl-ms", type=finite_float, help="decode ms per output token (default 20)")
     p.add_argument("--measure", action="store_true", help="check the plan on this machine's vLLM CPU engine: start "
                    "--model (default: the tiny model, built here) with --kv-cache-gib (default 1) and compare the KV "

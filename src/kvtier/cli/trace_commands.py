@@ -40,6 +40,16 @@ HELP = """\
 """
 
 
+def cost_flags(p: argparse.ArgumentParser, model_rule: str = "") -> None:
+    """The cost model's flags of every planning command: a profile, or the stated figures it replaces."""
+    p.add_argument("--profile", type=Path, metavar="FILE", help="a profile `kvtier calibrate` measured: its prefill, "
+                   "decode and tier-load fits replace the stated defaults below (a flag below for a figure it "
+                   "measured is an error; one for a figure it did not measure applies)" + model_rule)
+    p.add_argument("--tflops", type=finite_float, help="effective prefill TFLOP/s (default 400)")
+    p.add_argument("--pcie-gbs", type=finite_float, help="host <-> GPU GB/s (default 25)")
+    p.add_argument("--disk-gbs", type=finite_float, help="NVMe read GB/s (default 6)")
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     from kvtier.layout import PRESETS
 
@@ -66,12 +76,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        help="the engine's KV cache memory (default 40)")
         p.add_argument("--host-gib", type=finite_float, default=256, help="host tier size (default 256)")
         p.add_argument("--disk-gib", type=finite_float, default=2048, help="disk tier size (default 2048)")
-        p.add_argument("--profile", type=Path, metavar="FILE", help="a profile `kvtier calibrate` measured: its "
-                       "prefill, decode and tier-load fits replace the stated defaults below (a flag below for a "
-                       "figure it measured is an error; one for a figure it did not measure applies)")
-        p.add_argument("--tflops", type=finite_float, help="effective prefill TFLOP/s (default 400)")
-        p.add_argument("--pcie-gbs", type=finite_float, help="host <-> GPU GB/s (default 25)")
-        p.add_argument("--disk-gbs", type=finite_float, help="NVMe read GB/s (default 6)")
+        cost_flags(p)
         p.add_argument("--network-gbs", type=finite_float, help="network GB/s (default 12.5 = 100 Gbit/s)")
         p.add_argument("--block-tokens", type=int, help="block size for kvtier `tokens` and CSV traces")
         p.add_argument("--json", type=Path, help="write every figure to this file")

@@ -4,6 +4,9 @@ each step. `kvtier.rollout.steps` runs the steps through it, `kvtier.rollout.dri
 
 from __future__ import annotations
 
+import random
+import re
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -174,9 +177,6 @@ class Rollout:
         """This server's prefill time over the profile's: the median ratio of `SPEED_PROMPTS` fresh prompts, timed
         one at a time before its levels. Two processes of one build run some percent apart on a shared machine;
         the predictions of this server's levels scale the profile's prefill by it."""
-        import random
-        import statistics
-
         assert self.cost is not None and self.cost.prefill_fit is not None
         rng = random.Random(f"{self.opts.seed}/speed/{step}")
         prompts = [client.Prompt(workload.fresh_tokens(rng, SPEED_TOKENS), "speed", 1) for _ in range(SPEED_PROMPTS)]
@@ -217,8 +217,6 @@ class Rollout:
 
 def engine_geometry(server: Server) -> tuple[int, int] | None:
     """(KV blocks, tokens per block) of the server's engine, from vLLM's `cache_config_info`; None if not exported."""
-    import re
-
     for key in server.metrics("vllm:cache_config_info"):
         blocks = re.search(r'num_gpu_blocks="(\d+)"', key)
         size = re.search(r'block_size="(\d+)"', key)
