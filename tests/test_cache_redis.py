@@ -19,7 +19,7 @@ from kvtier.admission import AdmissionRule
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
 from kvtier.directory import CALLER, Directory, Op, SharedSpec, Status, Step, TierSpec
-from kvtier.keys import chain_keys
+from kvtier.keys import chain_keys, chain_route
 from kvtier.sim.instant_mover import complete_instantly
 from kvtier.stores import blockformat
 from kvtier.stores.base import TierKind
@@ -54,6 +54,36 @@ def value_key(cache: TieredCache, key: bytes) -> bytes:
 
 
 # -- sharing ----------------------------------------------------------------------------------------------
+
+
+def test_two_engines_share_prefixes_through_a_redis_cluster(redis_cluster):
+    """As through one Redis, through a real 6-node cluster: what one engine stores, another loads bit for bit;
+    a continuation stored with its chain's route lands in its prefix's partition and loads whole."""
+    a, b = engines(redis_cluster.seed_url, cluster=True, partitions=6, partition_tokens=32, redis_blocks=96)
+    try:
+        keys, blocks = keys_for(8), random_blocks(8, DTYPE, seed=1)
+        assert a.store(keys, blocks) == 8
+        a.flush()
+        assert a.snapshot()["moves"]["host->redis"] == 8
+        got = b.load(keys)
+        assert len(got) == 8 and all(same_bytes(x, y) for x, y in zip(got, blocks))
+        assert b.snapshot()["moves"]["redis->host"] == 8
+        more, more_blocks = keys_for(12)[8:], random_blocks(4, DTYPE, seed=2)
+        assert b.store(more, more_blocks, parent=keys[-1], route=chain_route(keys, 2)) == 4
+        b.flush()
+        assert b.snapshot()["moves"]["host->redis"] == 4
+        c = engines(redis_cluster.seed_url, n=1, cluster=True, partitions=6, partition_tokens=32, redis_blocks=96)[0]
+        try:
+            got = c.load(keys + more)
+            assert len(got) == 12 and all(same_bytes(x, y) for x, y in zip(got, blocks + more_blocks))
+            assert c.snapshot()["lookup_tokens"] == {"redis": 12 * 16, "miss": 0}
+        finally:
+            c.close()
+        assert a.stores["redis"].used_bytes() == 12 * VALUE
+    finally:
+        a.close()
+        b.close()
+
 
 
 def test_what_one_engine_stores_the_other_loads_bit_identically(redis_server):

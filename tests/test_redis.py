@@ -203,12 +203,16 @@ def test_bound_holds_with_many_engines_over_capacity(redis_server):
 
 def check_invariants(client, store: RedisStore) -> None:
     """What the scripts promise: the count is exact, every block's parent is in the tier, leaves are leaves."""
-    p = store.key_prefix
+    check_accounting(client, store.key_prefix, store.max_bytes)
+
+
+def check_accounting(client, p: str, max_bytes: int) -> None:
+    """`check_invariants` of the accounting under prefix `p` (one node's tier, or one partition of a cluster's)."""
     meta = {k.decode(): v.decode().split(" ") for k, v in client.hgetall(p + "!meta").items()}
     values = {k.decode()[len(p) :] for k in client.keys(p + "*") if b"!" not in k}
     assert values == set(meta), "every value is accounted for and every entry has its value"
     assert int(client.get(p + "!used") or 0) == sum(int(size) for size, _ in meta.values())
-    assert int(client.get(p + "!used") or 0) <= store.max_bytes
+    assert int(client.get(p + "!used") or 0) <= max_bytes
     parents = {parent for _, parent in meta.values() if parent}
     assert parents <= set(meta), "no block outlives its parent"
     leaves = {k.decode() for k in client.zrange(p + "!leaves", 0, -1)}

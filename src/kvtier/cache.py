@@ -34,11 +34,11 @@ import torch
 from kvtier.config import KVTierConfig
 from kvtier.control import Control
 from kvtier.directory import Directory, Op, Status, Step
-from kvtier.keys import Namespace
+from kvtier.keys import Namespace, chain_route
 from kvtier.metrics import Metrics
 from kvtier.mover.copy import ready_event
 from kvtier.policies.base import DEFAULT_PRIORITY
-from kvtier.sizing import shared_spec, shared_tier, tier_specs
+from kvtier.sizing import route_blocks, shared_spec, shared_tier, tier_specs
 from kvtier.stores.blockformat import check_key
 from kvtier.wiring import build_mover, build_stores, recover
 
@@ -90,15 +90,20 @@ class TieredCache:
         self.metrics = Metrics(self.directory, config.block_size, guard=self.guard, lock=self._lock,
                                shared=self.stores.shared)
         self.mover = build_mover(config, self.stores, self._report, self.metrics)
+        self._route_blocks = route_blocks(config)
         recover(self.directory, [self.stores.local], self._lock, self._integrity_failures)
 
     # ---------------------------------------------------------------- the API
 
     def store(
         self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor], parent: bytes | None = None,
-        priority: int = DEFAULT_PRIORITY,
+        priority: int = DEFAULT_PRIORITY, route: bytes | None = None,
     ) -> int:
         """Store a chain of blocks (`keys[i]` names `blocks[i]`); returns how many new blocks were accepted.
+
+        With `parent` (the chain goes on from a prefix stored before), a clustered shared tier needs the whole
+        chain's `route` (`keys.chain_route`) to keep it in its prefix's partition; without it the blocks land
+        where `keys` alone route them, and there they are orphans: refused, never wrong.
 
         Never blocks on I/O: when the store queue is full the whole call is dropped and counted.
         """
@@ -112,7 +117,8 @@ class TieredCache:
             return 0
         with self._lock:
             self.control.tick(self.clock())
-            plan = self.directory.plan_store(keys, parent=parent, priority=priority)
+            plan = self.directory.plan_store(keys, parent=parent, priority=priority,
+                                             route=route if route is not None else self._chain_route(keys))
         if not plan.chains:
             self.mover.release_store()
             return 0
@@ -128,11 +134,15 @@ class TieredCache:
             local = len(self.directory.lookup(keys, skip))
         return local + self._lookup_shared(keys, local, skip)
 
+    def _chain_route(self, keys: Sequence[bytes]) -> bytes | None:
+        """What picks a whole chain's partition in a clustered shared tier (None: one partition)."""
+        return chain_route(keys, self._route_blocks)
+
     def _lookup_shared(self, keys: Sequence[bytes], local: int, skip: frozenset[str]) -> int:
         """How many blocks after `keys[:local]` the shared tier holds (0 without one, or with Redis away)."""
         if self.shared is None or local >= len(keys) or self.shared in skip:
             return 0
-        return self.mover.lookup_shared(self.shared, keys[local:])
+        return self.mover.lookup_shared(self.shared, keys[local:], self._chain_route(keys))
 
     def load(
         self, keys: Sequence[bytes], device: torch.device | str | None = None,
@@ -162,7 +172,7 @@ class TieredCache:
             local = len(self.directory.lookup(keys, skip))
         shared_end = local + self._lookup_shared(keys, local, skip)  # network: outside the lock
         with self._lock:
-            plan = self.directory.plan_load(keys, shared_end=shared_end, skip=skip)
+            plan = self.directory.plan_load(keys, shared_end=shared_end, skip=skip, route=self._chain_route(keys))
             self.directory.record_lookup(plan.sources, len(keys))
         if out is None:
             out = [torch.empty(self.block_shape, dtype=self.dtype, device=device or "cpu") for _ in plan.keys]

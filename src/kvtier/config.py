@@ -136,6 +136,12 @@ class RedisTierConfig(_Strict):
     # Without auth_key_env, whoever can write to this Redis decides what every engine serves: a tier without a key
     # is refused unless this says that only trusted clients can reach the server.
     trusted_network: bool = False
+    # Redis Cluster: `url` is any node of it (the seed); the tier is cut into `partitions` accountings of
+    # max_bytes / partitions each, spread over the primaries, and a chain lives in the partition its first
+    # `partition_tokens` tokens pick (docs/scaling.md).
+    cluster: bool = False
+    partitions: int = Field(64, ge=1, le=16384)
+    partition_tokens: PositiveInt = 1024
 
     @field_validator("url")
     @classmethod
@@ -158,6 +164,14 @@ class RedisTierConfig(_Strict):
         if path is not None and url is not None and urlsplit(url).scheme != "rediss":
             raise ValueError("needs a rediss:// url (TLS)")
         return path
+
+    @model_validator(mode="after")
+    def _cluster_keys(self) -> RedisTierConfig:
+        if self.cluster and ("{" in self.key_prefix or "}" in self.key_prefix):
+            raise ValueError("key_prefix: no '{' or '}' with cluster: true (the tier's own hash tags place its keys)")
+        if self.cluster and urlsplit(self.url).scheme == "unix":
+            raise ValueError("url: a Redis Cluster is reached over TCP (redis:// or rediss://), not a unix socket")
+        return self
 
     def connection_kwargs(self) -> dict[str, Any]:
         """What RedisStore passes to redis-py beyond the URL: the TLS files, only when TLS is on."""

@@ -47,6 +47,13 @@ def _delimited(part: bytes) -> bytes:
     return len(part).to_bytes(4, "big") + part
 
 
+def chain_route(keys: Sequence[bytes], blocks: int) -> bytes | None:
+    """The key that picks a chain's partition in a partitioned shared tier (Redis Cluster): its `blocks`-th key,
+    or its last for a shorter chain; None for no chain. Every engine computes it from the same first tokens, so
+    chains that share those tokens share a partition (and the blocks of one chain are never split)."""
+    return keys[min(blocks, len(keys)) - 1] if keys and blocks > 0 else None
+
+
 def precomputed_keys(hashes: Iterable[bytes | int], group: int | None = None) -> list[bytes]:
     """Engine-made block hashes used as keys without re-hashing (ints become 16 big-endian bytes).
 

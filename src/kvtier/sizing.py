@@ -49,6 +49,15 @@ def shared_tier(config: KVTierConfig) -> tuple[str, RedisTierConfig] | None:
     return shared[0] if shared else None
 
 
+def route_blocks(config: KVTierConfig) -> int:
+    """How many leading blocks of a chain pick its partition of a clustered shared tier (`keys.chain_route`):
+    its `partition_tokens`, rounded up to whole blocks; 0 without a cluster (one partition, no route)."""
+    shared = shared_tier(config)
+    if shared is None or not shared[1].cluster:
+        return 0
+    return -(-shared[1].partition_tokens // config.block_size)
+
+
 def _rule(admission: AdmissionConfig | DiskAdmissionConfig) -> AdmissionRule:
     auto = admission.min_sightings == "auto"
     return AdmissionRule(admission.min_priority, 2 if auto else int(admission.min_sightings),

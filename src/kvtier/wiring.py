@@ -61,19 +61,21 @@ def disk_stores(config: KVTierConfig, payload_nbytes: int, namespace: str, rank:
 
 def redis_store(tier: RedisTierConfig, namespace: str, payload_nbytes: int,
                 auth_key: bytes | None = None) -> SharedStore:
-    from kvtier.stores.redis import RedisStore  # redis-py loads only where a redis tier is configured
+    # redis-py loads only where a redis tier is configured
+    from kvtier.stores.redis import RedisStore
+    from kvtier.stores.redis_cluster import RedisClusterStore
 
     breaker = CircuitBreaker(tier.breaker_failures, tier.breaker_cooldown_s)
-    store = RedisStore(
-        tier.url, namespace, payload_nbytes, tier.max_bytes, key_prefix=tier.key_prefix,
-        socket_timeout_s=tier.socket_timeout_s, connect_timeout_s=tier.connect_timeout_s,
-        pool_size=tier.pool_size, breaker=breaker, auth_key=auth_key, oom_cap_s=tier.oom_cap_s,
-        **tier.connection_kwargs(),
-    )
+    common = dict(key_prefix=tier.key_prefix, socket_timeout_s=tier.socket_timeout_s,
+                  connect_timeout_s=tier.connect_timeout_s, pool_size=tier.pool_size, breaker=breaker,
+                  auth_key=auth_key, oom_cap_s=tier.oom_cap_s, **tier.connection_kwargs())
+    if tier.cluster:
+        return RedisClusterStore(tier.url, namespace, payload_nbytes, tier.max_bytes, tier.partitions, **common)
+    store = RedisStore(tier.url, namespace, payload_nbytes, tier.max_bytes, **common)
     if store.cluster_enabled():
         store.close()
-        raise ValueError(f"redis tier url {redact_url(tier.url)}: a Redis Cluster node (cluster_enabled:1); the redis "
-                         "tier runs on one Redis or Valkey node (docs/scaling.md)")
+        raise ValueError(f"redis tier url {redact_url(tier.url)}: a Redis Cluster node (cluster_enabled:1); set "
+                         '"cluster": true on the tier to use the cluster (docs/scaling.md)')
     return store
 
 

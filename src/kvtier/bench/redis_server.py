@@ -146,6 +146,10 @@ class RedisClusterNodes:
         for attempt in range(20):  # another process may take a port between the check and the start
             server = RedisServer(self.binary, self.dir / f"node{index}", port=cluster_port(), extra=(
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
+                # replicas sync over the socket at once (no fork-to-disk), and one that lost its primary always
+                # stands for election: a drill's failover takes about two node timeouts
+                "--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0",
+                "--cluster-replica-validity-factor", "0",
                 *self.extra))
             try:
                 server.start()
@@ -174,7 +178,8 @@ class RedisClusterNodes:
         return proc.stdout
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
-        """Until every running node reports `cluster_state:ok` with all 16,384 slots assigned."""
+        """Until every running node reports `cluster_state:ok` with all 16,384 slots assigned, and every replica
+        is in sync with its primary (a failover then loses only what was written since)."""
         deadline = time.monotonic() + timeout_s
         while True:
             states = []
@@ -184,8 +189,10 @@ class RedisClusterNodes:
                 try:
                     with n.client() as c:
                         info = c.execute_command("CLUSTER", "INFO")
+                        role = c.info("replication")
                     text = info.decode() if isinstance(info, bytes) else str(info)
-                    states.append("cluster_state:ok" in text and "cluster_slots_assigned:16384" in text)
+                    synced = role["role"] != "slave" or role.get("master_link_status") == "up"
+                    states.append("cluster_state:ok" in text and "cluster_slots_assigned:16384" in text and synced)
                 except redis.exceptions.RedisError:
                     states.append(False)
             if states and all(states):
@@ -193,6 +200,20 @@ class RedisClusterNodes:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the cluster was not ok within {timeout_s} s")
             time.sleep(0.1)
+
+    def wait_agreed(self, timeout_s: float = 30.0) -> None:
+        """Until `redis-cli --cluster check` passes: every node agrees on the slots (after a reshard the new
+        owner's config takes a moment to spread, and `--cluster add-node` refuses to run before)."""
+        live = next(n for n in self.nodes if n.proc is not None)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.cli("--cluster", "check", f"127.0.0.1:{live.port}")
+                return
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def stop(self) -> None:
         for n in self.nodes:

@@ -139,7 +139,7 @@ class Directory:
     # ---------------------------------------------------------------- plans
 
     def plan_load(self, keys: Sequence[bytes], shared_end: int = 0, parent: bytes | None = None,
-                  skip: AbstractSet[str] = frozenset()) -> Plan:
+                  skip: AbstractSet[str] = frozenset(), route: bytes | None = None) -> Plan:
         """Pin the readable prefix and plan its way to the caller; blocks in slower tiers are staged in the first
         (unless `stage_loads` is off: then read straight into the caller).
 
@@ -147,9 +147,10 @@ class Directory:
         outside the directory); those blocks are fetched through the first tier after the local prefix, as far
         as room allows. A stale answer costs a failed fetch (a miss), never a wrong block. `parent`: the key
         before `keys[0]`, when the caller holds a prefix of the chain itself. `skip`: tiers this load must not
-        read (the guard's route for its request).
+        read (the guard's route for its request). `route`: what picks the chain's partition in a partitioned
+        shared tier (`keys.chain_route` of the whole chain), carried on its fetches.
         """
-        return self._loads.plan(keys, shared_end, parent, skip)
+        return self._loads.plan(keys, shared_end, parent, skip, route)
 
     def finish_load(self, plan: Plan) -> None:
         """Unpin a load's prefix once the caller holds its bytes: every block it pinned, which is every block but
@@ -158,7 +159,8 @@ class Directory:
         self._loads.finish(plan)
 
     def plan_store(
-        self, keys: Sequence[bytes], parent: bytes | None = None, priority: int = DEFAULT_PRIORITY
+        self, keys: Sequence[bytes], parent: bytes | None = None, priority: int = DEFAULT_PRIORITY,
+        route: bytes | None = None,
     ) -> Plan:
         """Plan storing the blocks of one chain (`keys[i]`'s parent is `keys[i-1]`, the first's is `parent`).
 
@@ -168,9 +170,10 @@ class Directory:
         With a shared tier, every block of the chain that has a first-tier copy (new or not) is also written
         through to it, parents first, until the shared tier's admission refuses one. Its step is the last of
         the block's chain (or a chain of its own); the mover runs these steps as batches after the rest of
-        the plan, and skips the blocks the shared tier already holds.
+        the plan, and skips the blocks the shared tier already holds. `route`: as for `plan_load`, carried on
+        the write-through steps.
         """
-        return self._stores.plan(keys, parent, priority)
+        return self._stores.plan(keys, parent, priority, route)
 
     def take_garbage(self) -> list[Step]:
         """Deletes that became necessary outside a plan; the caller hands them to the mover."""

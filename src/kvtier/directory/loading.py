@@ -29,7 +29,7 @@ class LoadPlanner:
         self.stage_loads = stage_loads
 
     def plan(self, keys: Sequence[bytes], shared_end: int = 0, parent: bytes | None = None,
-             skip: AbstractSet[str] = frozenset()) -> Plan:
+             skip: AbstractSet[str] = frozenset(), route: bytes | None = None) -> Plan:
         """See `Directory.plan_load`."""
         table = self.table
         sources = table.lookup(keys, skip)
@@ -62,7 +62,8 @@ class LoadPlanner:
             self.room.stage(block, source, block.copies[source].slot, slot, chain, i, plan)
             promoted.append(block)
         shared = self.shared
-        fetched = shared.fetch(plan, keys, shared_end, parent) if whole and shared and shared.name not in skip else []
+        fetched = (shared.fetch(plan, keys, shared_end, parent, route) if whole and shared and shared.name not in skip
+                   else [])
         # Making room may have evicted an ancestor the load does not pin (the engine's own hit), dropping blocks
         # of this load with it: they are still served to this request (pinned), but retire after it and never
         # enter a policy. Fetched blocks go in leaf first: ancestors end up more recent than descendants.

@@ -39,6 +39,7 @@ class Step:
     parent: bytes | None = None  # written into the block's header by stores that keep one
     needs_prev: bool = False  # skip (as FAILED) when an earlier step of the chain for this key failed
     id: int = 0  # unique within its directory: completions are matched by it (also across processes)
+    route: bytes | None = None  # a shared tier's step: what picks its chain's partition (`keys.chain_route`)
 
 
 @dataclass

@@ -38,7 +38,7 @@ class SharedTierPlans:
         self.clock = clock
         self.stage_loads = stage_loads  # fetched blocks go through a first-tier slot (or straight to the caller)
 
-    def offer(self, block: Block, chains: list, new: bool) -> bool:
+    def offer(self, block: Block, chains: list, route: bytes | None, new: bool) -> bool:
         """Plan writing `block` through from the first tier to the shared tier; False once admission refuses
         (its descendants would be orphans there). A new block's step is appended to its own chain (`chains`
         is that chain) after its PUT; an existing block's is a chain of its own, appended to `chains`."""
@@ -59,17 +59,19 @@ class SharedTierPlans:
         block.pins += 1
         step = self.ledger.step(Op.COPY, block.key, first.name, shared.name, copy.slot, None, parent=block.parent,
                                 needs_prev=new)
+        step.route = route
         self.ledger.pin(step)
         chains.append(step if new else [step])
         self.stats.planned_moves[(first.name, shared.name)] += 1
         return True
 
-    def fetch(self, plan: Plan, keys: Sequence[bytes], shared_end: int, parent: bytes | None) -> list[Block]:
+    def fetch(self, plan: Plan, keys: Sequence[bytes], shared_end: int, parent: bytes | None,
+              route: bytes | None) -> list[Block]:
         """Extend a load past its local prefix with blocks fetched from the shared tier (module docstring).
 
         `parent` is the key before `keys[0]` (the caller's own prefix), if any. A staged block whose parent is in
         no tier of ours (the engine holds it, we do not) is served to this request but not kept: kept, it would
-        be an orphan. It retires once the load is done."""
+        be an orphan. It retires once the load is done. `route` goes on every fetch (`Directory.plan_load`)."""
         table, first = self.table, self.table.tiers[0]
         fetched: list[Block] = []
         for i in range(len(plan.keys), min(shared_end, len(keys))):
@@ -93,6 +95,10 @@ class SharedTierPlans:
                 plan.chains.append([self.ledger.step(Op.GET, key, self.name, CALLER, index=i)])
             plan.keys.append(key)
             plan.sources.append(self.name)
+        for chain in plan.chains:
+            for step in chain:
+                if step.src == self.name:
+                    step.route = route
         return fetched
 
     def step_done(self, step: Step) -> bool:

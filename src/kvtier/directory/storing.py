@@ -29,7 +29,8 @@ class StorePlanner:
         self.read_below = read_below
         self.stats = stats
 
-    def plan(self, keys: Sequence[bytes], parent: bytes | None = None, priority: int = DEFAULT_PRIORITY) -> Plan:
+    def plan(self, keys: Sequence[bytes], parent: bytes | None = None, priority: int = DEFAULT_PRIORITY,
+             route: bytes | None = None) -> Plan:
         """See `Directory.plan_store`."""
         table, disabled = self.table, self.room.disabled
         first = table.tiers[0]
@@ -55,7 +56,7 @@ class StorePlanner:
                 parent_key = key
                 if self._existing(block, i, plan):
                     promoted.add(key)
-                if shared is not None and not shared.offer(block, plan.chains, new=False):
+                if shared is not None and not shared.offer(block, plan.chains, route, new=False):
                     shared = None  # write-through stops where the shared tier's admission says no
                 continue
             made = self._new(keys, i, parent_key, priority, plan)
@@ -64,7 +65,7 @@ class StorePlanner:
             block, chain = made
             for tier in through:
                 self.room.copy_down(block, first, tier, chain, needs_prev=True)
-            if shared is not None and not shared.offer(block, chain, new=True):
+            if shared is not None and not shared.offer(block, chain, route, new=True):
                 shared = None
             plan.chains.append(chain)
             chain_blocks.append(block)

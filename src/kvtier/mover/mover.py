@@ -279,8 +279,8 @@ class Mover:
         if gone:
             self._reported(gone, Status.FAILED)
 
-    def lookup_shared(self, tier: str, keys: Sequence[bytes]) -> int:
-        return self._shared.lookup(tier, keys)
+    def lookup_shared(self, tier: str, keys: Sequence[bytes], route: bytes | None = None) -> int:
+        return self._shared.lookup(tier, keys, route)
 
     def delete(self, steps: Sequence[Step]) -> None:
         """Garbage deletes (dropped blocks' files), in the background."""

@@ -47,10 +47,11 @@ class SharedTraffic:
         self._slots = threading.BoundedSemaphore(queue_depth)  # write jobs waiting or running
         self._local = threading.local()  # each thread's buffer for fetches into the caller's blocks
 
-    def lookup(self, tier: str, keys: Sequence[bytes]) -> int:
+    def lookup(self, tier: str, keys: Sequence[bytes], route: bytes | None) -> int:
         """How many leading blocks of `keys` the shared tier holds now (one round trip; 0 with its breaker
-        open or Redis away). Another engine may evict them a moment later: a fetch then fails, a miss."""
-        return self.stores[tier].lookup(keys) if keys else 0
+        open or Redis away). Another engine may evict them a moment later: a fetch then fails, a miss.
+        `route`: what picks the chain's partition (`keys.chain_route` of the whole chain)."""
+        return self.stores[tier].lookup(keys, route) if keys else 0
 
     def cut(self, chains: list[list[Step]], last_only: bool) -> tuple[list[list[Step]], list[Cut]]:
         """Chains that touch no shared tier, and the others cut around their one shared step. A chain that does
@@ -117,7 +118,8 @@ class SharedTraffic:
         tier = steps[0].dst
         store = self.stores[tier]
         start = time.perf_counter()
-        statuses = store.put_chain([(s.key, s.parent, self.slab.view(slot_of(s.src_slot))) for s in steps], held)
+        statuses = store.put_chain([(s.key, s.parent, self.slab.view(slot_of(s.src_slot))) for s in steps], held,
+                                   steps[0].route)
         stored = sum(1 for st in statuses if st is PutStatus.STORED)
         if stored:
             each = (time.perf_counter() - start) / stored
@@ -161,7 +163,7 @@ class SharedTraffic:
         try:
             into = self._buffers(len(steps), store.payload_nbytes) if dst == CALLER else \
                 [self.slab.view(slot_of(s.dst_slot)) for s in steps]
-            statuses = store.get_many([s.key for s in steps], into)
+            statuses = store.get_many([s.key for s in steps], into, steps[0].route)
             if dst == CALLER:
                 self._deliver(steps, statuses, into, io, delivered)
         except Exception:  # no buffer (ENOMEM), or a bug; not an outage (the store turns those into misses)
@@ -203,13 +205,14 @@ class SharedTraffic:
     # ---------------------------------------------------------------- both
 
     def batches(self, steps: list[Step]) -> list[list[Step]]:
-        """Consecutive runs of steps between the same two tiers, each within SHARED_BATCH_BYTES."""
+        """Consecutive runs of steps between the same two tiers and of one route, each within SHARED_BATCH_BYTES."""
         groups: list[list[Step]] = []
         for step in steps:
             tier = step.src if step.src in self.stores else step.dst
             per = max(1, SHARED_BATCH_BYTES // self.stores[tier].payload_nbytes)
             last = groups[-1] if groups else None
-            if last is None or len(last) >= per or (step.src, step.dst) != (last[0].src, last[0].dst):
+            if last is None or len(last) >= per or (step.src, step.dst, step.route) != (last[0].src, last[0].dst,
+                                                                                        last[0].route):
                 groups.append([step])
             else:
                 last.append(step)

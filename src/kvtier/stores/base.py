@@ -130,21 +130,24 @@ class LocalStore(ObjectStore, Protocol):
 
 
 class SharedStore(ObjectStore, Protocol):
-    """SHARED: other engines add and evict blocks too; every batch call is one round trip."""
+    """SHARED: other engines add and evict blocks too; every batch call is one round trip. A store cut into
+    partitions (a cluster) keeps each chain in one, picked by the call's `route` (`keys.chain_route` of the
+    whole chain, which the store cannot see: its calls start mid-chain); a store of one partition ignores it."""
 
     max_bytes: int
 
-    def lookup(self, chain: Sequence[bytes]) -> int:
+    def lookup(self, chain: Sequence[bytes], route: bytes | None = None) -> int:
         """How many leading blocks of a chain (parents first) the store holds now."""
         ...
 
     def put_chain(
-        self, items: Sequence[tuple[bytes, bytes | None, Buffer]], held: set[bytes]
+        self, items: Sequence[tuple[bytes, bytes | None, Buffer]], held: set[bytes], route: bytes | None = None
     ) -> list[PutStatus]:
         """Store blocks parents first, skipping those the store holds and those whose parent it lacks."""
         ...
 
-    def get_many(self, keys: Sequence[bytes], into_buffers: Sequence[Buffer]) -> list[ReadStatus]: ...
+    def get_many(self, keys: Sequence[bytes], into_buffers: Sequence[Buffer],
+                 route: bytes | None = None) -> list[ReadStatus]: ...
 
     def stats(self) -> dict[str, Any]: ...
 

@@ -52,6 +52,7 @@ import secrets
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -64,13 +65,31 @@ from redis.retry import Retry
 
 from kvtier.stores import blockformat
 from kvtier.stores.base import PutStatus, ReadStatus
-from kvtier.stores.breaker import BreakerState, CircuitBreaker
+from kvtier.stores.breaker import CircuitBreaker
 from kvtier.stores.buffers import Buffer, byte_view
 from kvtier.stores.redis_scripts import COMMIT, DROP, RECLAIM, TOUCH
 from kvtier.stores.resp import Replies, bulk, command, responses
 
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError)  # the server is not answering: breaker failures
 _PENDING_TTL_MS = 600_000  # a temporary value left by a failed commit expires on its own
+_ACCOUNTING = (b"!used", b"!clock", b"!meta", b"!tick", b"!leaves")  # what every script reads or writes
+Chunks = Callable[[], Iterable[bytes | memoryview]]  # a call's bytes, made again if it is sent again (a redirect)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One accounting of the tier (`!used`, `!meta`, ... and the values, under `prefix`) and its share of
+    max_bytes: a single node's whole tier, or one partition of a cluster's (`kvtier.stores.redis_cluster`)."""
+
+    prefix: bytes
+    max_bytes: int
+
+    def script(self, body: bytes, *args: bytes) -> bytes:
+        """EVAL of one of the tier's scripts on this partition, its accounting keys declared: a cluster routes the
+        call by them, and runs it only where all of them are (not on either side of a slot in migration, unless
+        all are still on its source). Every other key a script touches is under the same prefix: the same slot."""
+        return command(b"EVAL", body, b"%d" % len(_ACCOUNTING), *(self.prefix + k for k in _ACCOUNTING),
+                       self.prefix, *args)
 
 
 class _Skipped(Exception):
@@ -118,14 +137,11 @@ class RedisStore:
             raise ValueError(f"max_bytes ({max_bytes}) holds no block of {self.value_nbytes} bytes")
         self.key_prefix = key_prefix
         self._ns = bytes.fromhex(namespace)
-        self._auth, self._prefix = auth_key, key_prefix.encode()
+        self._auth = auth_key
         self._oom_cap_ms = b"%d" % max(1, round(oom_cap_s * 1000))
         self.breaker = breaker or CircuitBreaker()
-        self._pool = redis.BlockingConnectionPool.from_url(
-            url, max_connections=pool_size, timeout=connect_timeout_s + socket_timeout_s,
-            socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0, **connection_kwargs,
-        )
+        self._pool = connection_pool(url, pool_size, socket_timeout_s, connect_timeout_s, connection_kwargs)
+        self._whole = Partition(key_prefix.encode(), max_bytes)
         self._counts, self._counts_lock = Counter[str](), threading.Lock()
 
     def cluster_enabled(self) -> bool | None:
@@ -157,29 +173,33 @@ class RedisStore:
         blockformat.check_key(key)
         return self.namespace.encode() + key.hex().encode()
 
-    def _value_key(self, key: bytes) -> bytes:
-        return self._prefix + self._id(key)
+    def _where(self, route: bytes | None) -> Partition:
+        """The accounting a chain of this route lives in: on one node, the whole tier's."""
+        return self._whole
 
     # -- the batch API the mover drives -----------------------------------------------------------------
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes | None, Buffer]]) -> list[PutStatus]:
+    def put_many(self, items: Sequence[tuple[bytes, bytes | None, Buffer]],
+                 route: bytes | None = None) -> list[PutStatus]:
         """Store (key, parent, payload) blocks, parents before their children; one status per block.
 
         A payload is a CPU uint8 tensor (or buffer) of payload_nbytes; it is sent without being copied.
+        `route`: what picks the chain's partition (`keys.chain_route`); one node has one.
         """
         if not items:
             return []
+        part = self._where(route)
         token = secrets.token_hex(8).encode()
         views = [byte_view(payload, self.payload_nbytes, "payload") for _, _, payload in items]
-        tmps = [self._prefix + b"!tmp:" + token + b":%d" % i for i in range(len(items))]
-        commit_args = [b"EVAL", COMMIT, b"0", self._prefix, b"%d" % self.max_bytes]
+        tmps = [part.prefix + b"!tmp:" + token + b":%d" % i for i in range(len(items))]
+        commit_args = [b"%d" % part.max_bytes]
         for tmp, (key, parent, _) in zip(tmps, items):
             commit_args += [tmp, self._id(key), self._id(parent) if parent is not None else b""]
 
         def chunks() -> Iterator[bytes | memoryview]:
             """Each block's header is made (its checksum taken) just before it is sent, so that Redis reads one
             block while the next is hashed. RESP between two payloads goes out as one chunk: one send per gap."""
-            small = command(b"GET", self._prefix + b"!reclaims") + command(b"MULTI")  # what a refusal saw: _reclaim
+            small = command(b"GET", part.prefix + b"!reclaims") + command(b"MULTI")  # what a refusal saw: _reclaim
             for tmp, (key, parent, _), view in zip(tmps, items, views):
                 header = bytearray(blockformat.HEADER_NBYTES)
                 mac = blockformat.mac_of(self._auth, self._ns, key, parent, view) if self._auth else blockformat.NO_MAC
@@ -188,37 +208,39 @@ class RedisStore:
                 yield small + b"*5\r\n$3\r\nSET\r\n" + bulk(tmp) + b"$%d\r\n" % self.value_nbytes + header
                 yield view
                 small = b"\r\n" + bulk(b"PX") + bulk(b"%d" % _PENDING_TTL_MS)
-            yield small + command(*commit_args) + command(b"EXEC")
+            yield small + part.script(COMMIT, *commit_args) + command(b"EXEC")
 
         try:
-            replies = self._exchange(chunks(), len(items) + 4)
+            replies = self._exchange(part, chunks, len(items) + 4)
         except _Skipped as skipped:
             return self._count_all([PutStatus.DROPPED if skipped.by_breaker else PutStatus.FAILED] * len(items))
         executed = replies[-1]
         if not isinstance(executed, list) or not isinstance(executed[-1], list):  # EXECABORT: nothing applied
             if any(isinstance(r, OutOfMemoryError) for r in replies):
-                self._reclaim(len(items) * self.value_nbytes, replies[0] if isinstance(replies[0], bytes) else b"0")
+                seen = replies[0] if isinstance(replies[0], bytes) else b"0"
+                self._reclaim(part, len(items) * self.value_nbytes, seen)
             return self._count_all([PutStatus.FAILED] * len(items))
         *statuses, evicted = executed[-1]
         self._count("evictions", int(evicted))
         return self._count_all([PutStatus(s.decode()) for s in statuses])
 
-    def _reclaim(self, nbytes: int, seen: bytes = b"") -> None:
+    def _reclaim(self, part: Partition, nbytes: int, seen: bytes = b"") -> None:
         """Redis refused a put of `nbytes` for memory (its maxmemory is below what max_bytes lets the tier hold):
         lower the tier's cap for every engine and free room below it (`RECLAIM`), so that the next puts fit.
         `seen`: the tier's reclaim count when the put was sent; if another refusal's reclaim ran since, that one
         answered this shortage and nothing more is lowered (`oom_refused` counts every refusal)."""
         self._count("oom_refused")
         try:
-            (evicted,) = self._exchange([command(b"EVAL", RECLAIM, b"0", self._prefix, b"%d" % nbytes,
-                                                  b"%d" % self.value_nbytes, self._oom_cap_ms, seen)], 1)
+            (evicted,) = self._exchange(part, lambda: [part.script(RECLAIM, b"%d" % nbytes, b"%d" % self.value_nbytes,
+                                                                     self._oom_cap_ms, seen)], 1)
         except _Skipped:
             return
         if isinstance(evicted, int) and evicted >= 0:
             self._count("oom_reclaims")
             self._count("evictions", evicted)
 
-    def put_chain(self, items: Sequence[tuple[bytes, bytes | None, Buffer]], held: set[bytes]) -> list[PutStatus]:
+    def put_chain(self, items: Sequence[tuple[bytes, bytes | None, Buffer]], held: set[bytes],
+                  route: bytes | None = None) -> list[PutStatus]:
         """Write-through of (key, parent, payload) blocks, parents first, sending only what is needed.
 
         One EXISTS round trip asks for the blocks and for those of their parents not in `held` (the keys the
@@ -230,9 +252,11 @@ class RedisStore:
         mine = set(keys)
         parents = list(dict.fromkeys(parent for _, parent, _ in items
                                      if parent is not None and parent not in held and parent not in mine))
-        present = self.exists_many(keys + parents)
-        if not any(present) and self.breaker.state is BreakerState.OPEN:
-            return [PutStatus.DROPPED] * len(items)  # not tried (or just failed): don't send the bytes
+        part = self._where(route)
+        try:
+            present = self._exists(part, keys + parents)
+        except _Skipped as skipped:  # don't send the bytes
+            return self._count_all([PutStatus.DROPPED if skipped.by_breaker else PutStatus.FAILED] * len(items))
         held.update(k for k, p in zip(keys + parents, present) if p)
         statuses: list[PutStatus | None] = [PutStatus.EXISTS if key in held else None for key in keys]
         send: list[int] = []
@@ -244,13 +268,14 @@ class RedisStore:
                 held.add(key)  # for its children: the commit refuses them (ORPHAN) if this put fails
             else:
                 statuses[i] = PutStatus.ORPHAN
-        for i, status in zip(send, self.put_many([items[i] for i in send])):
+        for i, status in zip(send, self.put_many([items[i] for i in send], route)):
             statuses[i] = status
             if not status.held:
                 held.discard(items[i][0])
         return [s if s is not None else PutStatus.FAILED for s in statuses]
 
-    def get_many(self, keys: Sequence[bytes], into_buffers: Sequence[Buffer]) -> list[ReadStatus]:
+    def get_many(self, keys: Sequence[bytes], into_buffers: Sequence[Buffer],
+                 route: bytes | None = None) -> list[ReadStatus]:
         """Read blocks into `into_buffers` (CPU uint8 tensors or writable buffers of payload_nbytes).
 
         Anything but OK leaves that buffer undefined. Hits are touched (LRU); a CORRUPT or FOREIGN value is
@@ -260,19 +285,11 @@ class RedisStore:
             raise ValueError(f"{len(keys)} keys but {len(into_buffers)} buffers")
         if not keys:
             return []
+        part = self._where(route)
         outs = [byte_view(b, self.payload_nbytes, "into", writable=True) for b in into_buffers]
         headers = [memoryview(bytearray(blockformat.HEADER_NBYTES)) for _ in keys]
-        chunks = [command(b"GET", self._value_key(k)) for k in keys]
-        chunks.append(command(b"EVAL", TOUCH, b"0", self._prefix, *(self._id(k) for k in keys)))
-
-        def read(conn: Any) -> list[Any]:  # each block's bytes straight into its buffer (kvtier.stores.resp)
-            replies = Replies(conn._sock)
-            got = [replies.bulk_into(header, out) for header, out in zip(headers, outs)]
-            replies.skip()
-            return got
-
         try:
-            replies = self._exchange([b"".join(chunks)], read)
+            replies = self._values(part, keys, headers, outs)
         except _Skipped:
             self._count("get_skipped", len(keys))
             return [ReadStatus.MISSING] * len(keys)
@@ -280,13 +297,29 @@ class RedisStore:
         bad = [k for k, s in zip(keys, statuses) if s.is_integrity_failure]
         if bad:
             self._count("integrity_failures", len(bad))
-            self.delete_many(bad)
+            self.delete_many(bad, route)
         return self._count_all(statuses, "get")
+
+    def _values(self, part: Partition, keys: Sequence[bytes], headers: Sequence[memoryview],
+                outs: Sequence[memoryview]) -> list[Any]:
+        """The GETs of `keys` and the touch of those held, in one round trip: each value's bytes straight into its
+        header and buffer (`kvtier.stores.resp`); a reply per key as `Replies.bulk_into` gives it."""
+        def chunks() -> list[bytes]:
+            gets = [command(b"GET", part.prefix + self._id(k)) for k in keys]
+            return [b"".join(gets) + part.script(TOUCH, *(self._id(k) for k in keys))]
+
+        def read(conn: Any) -> list[Any]:
+            replies = Replies(conn._sock)
+            got = [replies.bulk_into(header, out) for header, out in zip(headers, outs)]
+            replies.skip()
+            return got
+
+        return self._exchange(part, chunks, read)
 
     def _judge(self, key: bytes, got: bytes | Literal[True] | None, header: memoryview, out: memoryview) -> ReadStatus:
         """A GET's reply: True, a value of a block's size already in `header` and `out`; bytes, a value of another
         size; None, nil or an error. Only an OK read leaves bytes in `out`: what a bad value wrote is zeroed."""
-        if got is None:
+        if got is None or isinstance(got, Exception):
             return ReadStatus.MISSING
         if got is True:
             status = self._verify(key, header, out, size_ok=True)
@@ -308,29 +341,33 @@ class RedisStore:
             return ReadStatus.UNAUTHENTICATED
         return ReadStatus.OK
 
-    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+    def exists_many(self, keys: Sequence[bytes], route: bytes | None = None) -> list[bool]:
         """Which blocks are in the tier now (another engine may add or evict them a moment later)."""
-        if not keys:
-            return []
         try:
-            replies = self._exchange([b"".join(command(b"EXISTS", self._value_key(k)) for k in keys)], len(keys))
+            return self._exists(self._where(route), keys)
         except _Skipped:
             self._count("exists_skipped", len(keys))
             return [False] * len(keys)
+
+    def _exists(self, part: Partition, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+        replies = self._exchange(part, lambda: [b"".join(command(b"EXISTS", part.prefix + self._id(k)) for k in keys)],
+                                 len(keys))
         return [r == 1 for r in replies]
 
-    def lookup(self, chain: Sequence[bytes]) -> int:
+    def lookup(self, chain: Sequence[bytes], route: bytes | None = None) -> int:
         """How many leading blocks of a chain (parents first) the tier holds: the usable prefix."""
-        found = self.exists_many(chain)
+        found = self.exists_many(chain, route)
         return found.index(False) if False in found else len(found)
 
-    def delete_many(self, keys: Sequence[bytes]) -> int:
+    def delete_many(self, keys: Sequence[bytes], route: bytes | None = None) -> int:
         """Remove blocks and all their descendants; returns how many blocks went."""
         if not keys:
             return 0
-        args = [b"EVAL", DROP, b"0", self._prefix, *(self._id(k) for k in keys)]
+        part = self._where(route)
         try:
-            (removed,) = self._exchange([command(*args)], 1)
+            (removed,) = self._exchange(part, lambda: [part.script(DROP, *(self._id(k) for k in keys))], 1)
         except _Skipped:
             removed = None
         if not isinstance(removed, int):
@@ -358,19 +395,25 @@ class RedisStore:
 
     def used_bytes(self) -> int | None:
         """Bytes of all engines' blocks under key_prefix (what max_bytes bounds); None if Redis is away."""
+        return self._used(self._whole)
+
+    def _used(self, part: Partition) -> int | None:
         try:
-            (used,) = self._exchange([command(b"GET", self._prefix + b"!used")], 1)
+            (used,) = self._exchange(part, lambda: [command(b"GET", part.prefix + b"!used")], 1)
         except _Skipped:
             return None
         return int(used) if isinstance(used, bytes) else 0 if used is None else None
 
     def capacity_bytes(self) -> int:
         """max_bytes, or the lower cap `_reclaim` set while it holds; max_bytes if Redis is away."""
+        return self._capacity(self._whole)
+
+    def _capacity(self, part: Partition) -> int:
         try:
-            (cap,) = self._exchange([command(b"GET", self._prefix + b"!cap")], 1)
+            (cap,) = self._exchange(part, lambda: [command(b"GET", part.prefix + b"!cap")], 1)
         except _Skipped:
-            return self.max_bytes
-        return min(self.max_bytes, int(cap)) if isinstance(cap, bytes) else self.max_bytes
+            return part.max_bytes
+        return min(part.max_bytes, int(cap)) if isinstance(cap, bytes) else part.max_bytes
 
     def stats(self) -> dict[str, Any]:
         """Plain counters for metrics: the breaker's and this store's (puts by status, gets by status, ...)."""
@@ -382,30 +425,9 @@ class RedisStore:
 
     # -- plumbing ---------------------------------------------------------------------------------------
 
-    def _exchange(self, chunks: Iterable[bytes | memoryview], read: int | Callable[[Any], list[Any]]) -> list[Any]:
-        """Send pre-packed commands on one pooled connection, then read that many replies (`_responses`), or what
-        `read(connection)` reads, through the breaker. Raises _Skipped when Redis was not tried or not answering."""
-        if not self.breaker.allow():
-            raise _Skipped(by_breaker=True)
-        try:
-            conn = self._pool.get_connection()
-        except _UNAVAILABLE:
-            self.breaker.failure()
-            raise _Skipped(by_breaker=False) from None
-        try:
-            conn.send_packed_command(chunks, check_health=False)
-            replies = responses(conn, read) if isinstance(read, int) else read(conn)
-        except _UNAVAILABLE:
-            conn.disconnect()
-            self.breaker.failure()
-            raise _Skipped(by_breaker=False) from None
-        except BaseException:
-            conn.disconnect()  # replies may be left unread: never hand this connection out again as it is
-            raise
-        finally:
-            self._pool.release(conn)
-        self.breaker.success()
-        return replies
+    def _exchange(self, part: Partition, chunks: Chunks, read: int | Callable[[Any], list[Any]]) -> list[Any]:
+        """Send a call's pre-packed commands (`chunks()`) where `part` lives and read its replies (`exchange`)."""
+        return exchange(self._pool, self.breaker, chunks(), read)
 
     def _count(self, name: str, n: int = 1) -> None:
         if n:
@@ -418,3 +440,40 @@ class RedisStore:
             for s in statuses:
                 self._counts[f"{family}_{s.value}"] += 1
         return statuses
+
+
+def connection_pool(url: str, size: int, socket_timeout_s: float, connect_timeout_s: float,
+                    connection_kwargs: dict[str, Any]) -> redis.BlockingConnectionPool:
+    """Connections to one node, opened lazily, at most `size`; a call waits for one at most its own timeouts."""
+    return redis.BlockingConnectionPool.from_url(
+        url, max_connections=size, timeout=connect_timeout_s + socket_timeout_s, socket_timeout=socket_timeout_s,
+        socket_connect_timeout=connect_timeout_s, retry=Retry(NoBackoff(), 0), health_check_interval=0,
+        **connection_kwargs,
+    )
+
+
+def exchange(pool: redis.BlockingConnectionPool, breaker: CircuitBreaker, chunks: Iterable[bytes | memoryview],
+             read: int | Callable[[Any], list[Any]]) -> list[Any]:
+    """Send pre-packed commands on one pooled connection, then read that many replies (`responses`), or what
+    `read(connection)` reads, through the breaker. Raises _Skipped when the node was not tried or not answering."""
+    if not breaker.allow():
+        raise _Skipped(by_breaker=True)
+    try:
+        conn = pool.get_connection()
+    except _UNAVAILABLE:
+        breaker.failure()
+        raise _Skipped(by_breaker=False) from None
+    try:
+        conn.send_packed_command(chunks, check_health=False)
+        replies = responses(conn, read) if isinstance(read, int) else read(conn)
+    except _UNAVAILABLE:
+        conn.disconnect()
+        breaker.failure()
+        raise _Skipped(by_breaker=False) from None
+    except BaseException:
+        conn.disconnect()  # replies may be left unread: never hand this connection out again as it is
+        raise
+    finally:
+        pool.release(conn)
+    breaker.success()
+    return replies

@@ -12,9 +12,11 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import AskError, ClusterDownError, MovedError, ResponseError, TryAgainError
 
 _LINE_READ = 4096  # a reply's first line is short: read little past it, so a block's bytes mostly land in place
+# A cluster's error replies that say where to go, as redis-py's parser raises them (its message without the code)
+_REDIRECTS = {"MOVED": MovedError, "ASK": AskError, "TRYAGAIN": TryAgainError, "CLUSTERDOWN": ClusterDownError}
 
 
 def bulk(arg: bytes) -> bytes:
@@ -37,6 +39,13 @@ def responses(conn: Any, n: int) -> list[Any]:
     return replies
 
 
+def error_reply(message: str) -> ResponseError:
+    """An error reply as redis-py would raise it: a cluster's redirect (MOVED, ASK, ...) as its own class."""
+    code, _, rest = message.partition(" ")
+    kind = _REDIRECTS.get(code)
+    return kind(rest) if kind is not None else ResponseError(message)
+
+
 class Replies:
     """RESP2 replies on one connected socket, read in order; only the kinds the tier's reads get back."""
 
@@ -44,12 +53,14 @@ class Replies:
         self.sock = sock
         self.pending = bytearray()  # read past the last reply's end: the next reply's first bytes
 
-    def bulk_into(self, header: memoryview, payload: memoryview) -> bytes | bool | None:
+    def bulk_into(self, header: memoryview, payload: memoryview) -> bytes | bool | ResponseError | None:
         """One bulk-string reply: True when its value was exactly `header` + `payload` bytes long and now fills
-        them; else the value itself (bytes), None for nil or an error reply."""
+        them; else the value itself (bytes), None for nil, the error for an error reply."""
         line = self._line()
+        if line[:1] == b"-":
+            return error_reply(line[1:].decode(errors="replace"))
         if line[:1] != b"$":
-            return None  # an error reply (-...) in its place, or nothing a GET returns
+            return None  # nothing a GET returns
         length = int(line[1:])
         if length < 0:
             return None

@@ -25,7 +25,8 @@ from kvtier.directory import Directory
 from kvtier.integrations.vllm.control import SchedulerControl
 from kvtier.integrations.vllm.requests import Promise, RequestState
 from kvtier.integrations.vllm.setup import Geometry
-from kvtier.sizing import shared_tier
+from kvtier.keys import chain_route
+from kvtier.sizing import route_blocks, shared_tier
 from kvtier.stores.base import SharedStore, TierKind
 from kvtier.wiring import redis_store
 
@@ -48,6 +49,7 @@ class Lookup:
         self.deadline_s = found[1].lookup_deadline_s if found else 0.0
         self._slots = threading.BoundedSemaphore(found[1].lookup_queue_depth if found else 1)  # queued or asking
         self.skipped: Counter = Counter()  # reason -> requests that went on without the shared tier's answer
+        self._route_blocks = route_blocks(config)
 
     def match(self, request: Request, num_computed_tokens: int, keys: list[bytes],
               state: RequestState) -> tuple[int | None, bool]:
@@ -85,7 +87,7 @@ class Lookup:
             return 0
         asked = state.asked
         if asked is None or asked[0] != local:
-            return self._ask(keys[local:], local, state)
+            return self._ask(keys, local, state)
         _, future, deadline = asked
         if not future.done():
             if time.monotonic() < deadline:
@@ -103,15 +105,16 @@ class Lookup:
             return 0
 
     def _ask(self, keys: list[bytes], local: int, state: RequestState) -> int | None:
-        """Ask the shared tier on our threads (None: the answer is awaited), or go on without it (0) when
-        `lookup_queue_depth` lookups are already in flight."""
+        """Ask the shared tier for the blocks after `keys[:local]` on our threads (None: the answer is awaited),
+        or go on without it (0) when `lookup_queue_depth` lookups are already in flight."""
         assert self._asking is not None and self.shared_store is not None
         if not self._slots.acquire(blocking=False):
             self.skipped["queue_full"] += 1
             state.asked = None
             return 0
         try:
-            future = self._asking.submit(self.shared_store.lookup, keys)
+            route = chain_route(keys, self._route_blocks)
+            future = self._asking.submit(self.shared_store.lookup, keys[local:], route)
         except BaseException:
             self._slots.release()
             raise

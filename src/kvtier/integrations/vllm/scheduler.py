@@ -32,8 +32,8 @@ from kvtier.integrations.vllm.recovery import recover_ranks
 from kvtier.integrations.vllm.requests import RequestState
 from kvtier.integrations.vllm.scheduler_stats import SchedulerStats
 from kvtier.integrations.vllm.setup import Geometry
-from kvtier.keys import precomputed_keys
-from kvtier.sizing import shared_spec, tier_specs
+from kvtier.keys import chain_route, precomputed_keys
+from kvtier.sizing import route_blocks, shared_spec, tier_specs
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -55,6 +55,7 @@ class SchedulerSide:
         if self.events is not None:  # before recovery: what the disk had is not announced (its tokens are unknown)
             self.directory.on_change = self.events.changed
         self.control = SchedulerControl(config, self.directory, geometry.block_nbytes)
+        self._route_blocks = route_blocks(config)  # a chain's partition of a clustered shared tier: keys.chain_route
         shared_store = lookup_client(config, geometry)
         self.lookup = Lookup(self.directory, self.control, geometry, shared_store, config)
         self.inflight = InFlight(self.directory, geometry.world_size, geometry.block_nbytes)
@@ -90,7 +91,8 @@ class SchedulerSide:
         held = local // self.geo.engine_block_size  # engine blocks vLLM already has
         plan = self.directory.plan_load(keys, shared_end=len(keys) if fetch else 0,
                                         parent=all_keys[first - 1] if first else None,
-                                        skip=self.control.route(request, engine_hit=local > 0))
+                                        skip=self.control.route(request, engine_hit=local > 0),
+                                        route=chain_route(all_keys, self._route_blocks))
         self._count_lookup(request, state, first, plan.sources)
         self.control.served(request, plan.sources, engine_hit=local > 0)
         bt = self.geo.block_tokens
@@ -124,7 +126,7 @@ class SchedulerSide:
         if self.inflight.stores >= self.config.queue_depth:
             self.stats.dropped["queue_full"] += len(keys)
             return False, None
-        plan = self.directory.plan_store(keys)
+        plan = self.directory.plan_store(keys, route=chain_route(keys, self._route_blocks))
         if not plan.chains:
             return False, None
         holds = any(s.op is Op.PUT for c in plan.chains for s in c)
