@@ -203,6 +203,20 @@ def test_a_second_engine_gets_the_first_engines_prefix_from_redis(engines, tiny_
     assert prometheus['kvtier_tier_used_bytes{tier="redis"}'] > 0
 
 
+def test_two_engines_share_a_prefix_through_a_redis_cluster(engines, tiny_model, engine_only, redis_cluster):
+    """The same through a real 6-node Redis Cluster: the chain lives in the partition its first tokens pick, on
+    whichever primary owns it, and the second engine's output is bit-identical to vLLM's own cache hit."""
+    tier = {**redis_tier(redis_cluster.nodes[0]), "url": redis_cluster.seed_url, "cluster": True}
+    config = {"cpu_bytes_to_use": 256 << 20, "secondary_tiers": [tier]}
+    run(engines, tiny_model, config, "A")
+    prometheus: dict = {}
+    out = run(engines, tiny_model, config, "A", prometheus=prometheus)
+    assert out[0]["cached"] == 1920
+    assert out[0]["tokens"] == engine_only[-1]["tokens"] and max_diff(out[0], engine_only[-1]) == 0.0
+    assert prometheus['kvtier_lookup_tokens_total{source="redis"}'] == 1920
+    assert prometheus['kvtier_tier_capacity_bytes{tier="redis"}'] == 1 << 30  # the partitions' shares, summed
+
+
 def test_redis_killed_and_restarted_mid_workload(engines, tiny_model, engine_only, redis_server):
     """No request fails, every output stays exact, the breaker opens while Redis is away and closes after."""
     config = {"cpu_bytes_to_use": 4 << 20,  # 16 blocks: A must come back from Redis, not from host
