@@ -20,7 +20,7 @@ def test_bench_quick_writes_every_figure(tmp_path):
     assert result["engine_pages_vs_copy"] == min(case["ratio"] for case in pages) > 0
     assert all(case["parts"]["ratio"] > 0 and case["parts"]["bytes"] == case["bytes"] for case in pages)
     assert set(result["targets"]) == {"host_vs_copy", "disk_write_vs_raw", "disk_read_vs_raw", "lookup_keys_per_s",
-                                      "redis_vs_raw"}
+                                      "redis_vs_raw", "redis_cluster_vs_raw"}
     assert result["redis_vs_raw"] == result["redis"]["min_ratio"] == min(
         min(statistics.median(c["put_ratio_runs"]), statistics.median(c["get_ratio_runs"]))
         for c in result["redis"]["redis_vs_raw"].values())

@@ -23,6 +23,7 @@ from kvtier.stores.base import PutStatus, ReadStatus
 from kvtier.stores.breaker import BreakerState, CircuitBreaker
 from kvtier.stores.redis_cluster import ClusterPartition, RedisClusterStore, partition_tags
 from kvtier.wiring import redis_store
+from tests.conftest import PUBLIC_TRACES
 from tests.test_redis import NS, PAYLOAD, chain, check_accounting, items_of, payloads
 
 VALUE = blockformat.HEADER_NBYTES + PAYLOAD
@@ -386,3 +387,21 @@ def test_random_walk_against_the_cluster(redis_cluster):
     machine.settings = settings(max_examples=15, stateful_step_count=25, deadline=None,
                                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
     machine().runTest()
+
+
+# -- the bench's figures --------------------------------------------------------------------------------
+
+
+def test_bench_figures_on_the_cluster(redis_cluster, redis_server):
+    """`kvtier bench --redis`'s cluster figures, small: both sides move the bytes, the trace's chains spread over
+    every primary (routed by their first block alone, they would all land on one), and a lookup is timed on both."""
+    from kvtier.bench.redis_cluster_tier import _lookups, _spread, _throughput
+
+    figures = _throughput(redis_cluster.seed_url, 16, runs=1)
+    assert figures["put_ratio"] > 0 and figures["get_ratio"] > 0
+    spread = _spread(redis_cluster.seed_url, PUBLIC_TRACES / "mooncake" / "conversation_trace.jsonl", max_requests=300)
+    assert spread["requests"] == 300 and len(spread["bytes_per_primary"]) == 3
+    assert all(v > 0 for v in spread["bytes_per_primary"].values()) and 1.0 <= spread["bytes_max_over_mean"] < 1.5
+    assert spread["copies"] >= 1.0
+    lookups = _lookups(redis_cluster.seed_url, redis_server.url, rounds=1, calls=5)
+    assert lookups["cluster_us"] > 0 and lookups["one_node_us"] > 0

@@ -94,3 +94,31 @@ def print_redis(console: Console, redis: dict) -> None:
     ok = redis["min_ratio"] >= redis["target"]
     console.print(f"redis_vs_raw (min) {redis['min_ratio']:.3f}, target ≥ {redis['target']}: "
                   + ("[green]ok[/]" if ok else "[red]MISSED[/]"))
+
+
+def print_redis_cluster(console: Console, figures: dict) -> None:
+    """The cluster tier's three figures (`kvtier.bench.redis_cluster_tier`)."""
+    case = figures["redis_cluster_vs_raw"]
+    table = Table(title=f"redis cluster tier vs raw RedisCluster pipelines, {case['block_bytes'] >> 20} MiB blocks, "
+                        f"{case['threads']} chains in flight, {case['runs']} paired runs")
+    for column in ("op", "ours", "raw", "ratio (median)", "runs"):
+        table.add_column(column, justify="left" if column == "op" else "right")
+    for op in ("put", "get"):
+        table.add_row(op, f"{case[f'tier_{op}_GBps']:.2f} GB/s", f"{case[f'raw_{op}_GBps']:.2f} GB/s",
+                      f"{case[f'{op}_ratio']:.3f}", " ".join(f"{r:.2f}" for r in case[f"{op}_ratio_runs"]))
+    console.print(table)
+    ok = figures["min_ratio"] >= figures["target"]
+    console.print(f"redis_cluster_vs_raw (min) {figures['min_ratio']:.3f}, target ≥ {figures['target']}: "
+                  + ("[green]ok[/]" if ok else "[red]MISSED[/]"))
+    spread = figures["spread"]
+    if "skipped" in spread:
+        console.print(f"[yellow]spread over primaries skipped: {spread['skipped']}[/]")
+    else:
+        console.print(f"spread over {len(spread['bytes_per_primary'])} primaries, {spread['requests']} requests of the "
+                      f"Mooncake conversation trace, {spread['partitions']} partitions: bytes max/mean "
+                      f"{spread['bytes_max_over_mean']:.3f}, commands max/mean {spread['commands_max_over_mean']:.3f} "
+                      f"(target ≤ {spread['target']}), blocks held per distinct block {spread['copies']:.4f}")
+    lookup = figures["lookup_vs_one_node"]
+    console.print(f"{lookup['blocks']}-block lookup: cluster {lookup['cluster_us']:.0f} µs, one node "
+                  f"{lookup['one_node_us']:.0f} µs ({lookup['cluster_over_one_node']:.3f}x, medians of "
+                  f"{lookup['rounds']} rounds)")

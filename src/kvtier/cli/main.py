@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--root", type=Path, help="directory for the disk benchmarks (default: system temp dir)")
     bench.add_argument("--vllm", action="store_true", help="TTFT ratios on a real vLLM engine (CPU, tiny model): "
                        "host and disk restores vs recompute and vs vLLM's own cache hit; no-reuse p99 on vs off")
+    bench.add_argument("--redis", action="store_true", help="only the shared tier's figures: one redis-server "
+                       "(redis_vs_raw) and a 6-node loopback Redis Cluster (redis_cluster_vs_raw, the spread over "
+                       "primaries on the Mooncake conversation trace, a lookup against one node's)")
 
     config = sub.add_parser("config", help="validate a config file and print it with defaults filled in")
     config.add_argument("file", type=Path, help="the kv_connector_extra_config JSON, or a whole --kv-transfer-config")
@@ -77,6 +80,24 @@ def _parser() -> argparse.ArgumentParser:
     plan_command.add(sub)
     calibrate_command.add(sub)
     return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """`kvtier bench`: the tiers' figures, or only the vLLM engine's (--vllm) or the shared tier's (--redis)."""
+    json_path = str(args.json) if args.json else None
+    if args.vllm:
+        from kvtier.bench.vllm_engine import run_vllm_bench
+
+        run_vllm_bench(json_path)
+    elif args.redis:
+        from kvtier.bench.tiers import run_redis
+
+        run_redis(json_path, quick=args.quick)
+    else:
+        from kvtier.bench.tiers import run
+
+        run(json_path, quick=args.quick, root=str(args.root) if args.root else None)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,16 +122,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(build_tiny_llama(args.dir, tokenizer=True))
             return 0
-        if args.command == "bench" and args.vllm:
-            from kvtier.bench.vllm_engine import run_vllm_bench
-
-            run_vllm_bench(str(args.json) if args.json else None)
-            return 0
         if args.command == "bench":
-            from kvtier.bench.tiers import run
-
-            run(str(args.json) if args.json else None, quick=args.quick, root=str(args.root) if args.root else None)
-            return 0
+            return _bench(args)
     except ConfigError as exc:
         print(f"kvtier: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
