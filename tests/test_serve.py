@@ -39,8 +39,8 @@ def serve(model: str, kvtier: dict, log: Path, flags: list[str]) -> Server:
     return server
 
 
-def complete(server: Server, prompt: str) -> dict:
-    body = json.dumps({"model": server.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
+def complete(server: Server, prompt: str, **extra) -> dict:
+    body = json.dumps({"model": server.model, "prompt": prompt, "max_tokens": 4, "temperature": 0, **extra}).encode()
     request = urllib.request.Request(f"{server.url}/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as r:
         return json.loads(r.read())
@@ -198,3 +198,34 @@ def test_chat_users_that_differ_only_in_their_text_share_the_prefix_cache_only_w
     assert first["usage"]["prompt_tokens"] == len(ids[1]) and other["usage"]["prompt_tokens"] == len(ids[2])
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == shared // 128 * 128
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(ids[1]) // 128 * 128
+
+
+def test_two_servers_share_a_prefix_through_a_redis_cluster(model_dir, tmp_path, redis_cluster):
+    """Two `vllm serve` on one real 6-node Redis Cluster: the second serves the prompt the first stored from the
+    cluster, and its answer (tokens and logprobs) is bit-identical to its own engine cache hit of the prompt."""
+    tier = {"type": "redis", "url": redis_cluster.seed_url, "cluster": True, "max_bytes": 1 << 30,
+            "trusted_network": True, "lookup_deadline_s": 10}
+    config = {"cpu_bytes_to_use": 256 << 20, "load_policy": "always", "secondary_tiers": [tier]}
+    first = serve(model_dir, config, tmp_path / "first.log", [])
+    try:
+        complete(first, text("A"))
+        written = 'kvtier_moves_total{dst="redis",src="host"}'
+        for _ in range(20):  # A's stores ship with the engine's next step: a short request makes one
+            complete(first, text("tail", words=8))
+            if first.metrics().get(written, 0) >= 1800 // 128:
+                break
+            time.sleep(0.5)
+        assert first.metrics()[written] >= 1800 // 128
+    finally:
+        first.stop()
+    second = serve(model_dir, config, tmp_path / "second.log", [])
+    try:
+        from_cluster = complete(second, text("A"), logprobs=5)
+        m = second.metrics()
+        engine_hit = complete(second, text("A"), logprobs=5)  # now in its own engine cache
+    finally:
+        second.stop()
+    assert from_cluster["usage"]["prompt_tokens_details"]["cached_tokens"] >= 1536, from_cluster["usage"]
+    assert m['kvtier_lookup_tokens_total{source="redis"}'] >= 1536
+    assert engine_hit["usage"]["prompt_tokens_details"]["cached_tokens"] >= 1536
+    assert from_cluster["choices"] == engine_hit["choices"], "bit-identical to the engine's own hit"
