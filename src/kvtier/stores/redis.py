@@ -39,8 +39,9 @@ fit (`oom_reclaims`). Puts refused together, from several writers, lower it once
 it is sent, and its refusal reclaims only if no other reclaim ran since. After `oom_cap_s` the cap expires and the
 tier grows back (memory added to Redis is used; memory still short costs one refused put). Under an `allkeys-*`
 policy Redis may drop values itself: reads of those miss, `lookup` stops at the first missing block, and the
-count over-states until our own eviction reaches the entry. Not Redis Cluster-ready: the scripts touch keys they
-do not declare, so a url of a cluster node is refused at startup (`cluster_enabled`).
+count over-states until our own eviction reaches the entry. On a Redis Cluster the tier is cut into partitions,
+each this accounting under its own hash tag (`kvtier.stores.redis_cluster`); a cluster node's url without
+`cluster: true` is refused at startup (`cluster_enabled`).
 
 Every call goes through a circuit breaker: with Redis down or slow, lookups return misses and stores are
 dropped at once (counted), instead of costing a timeout each."""
