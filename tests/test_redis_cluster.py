@@ -405,3 +405,52 @@ def test_bench_figures_on_the_cluster(redis_cluster, redis_server):
     assert spread["copies"] >= 1.0
     lookups = _lookups(redis_cluster.seed_url, redis_server.url, rounds=1, calls=5)
     assert lookups["cluster_us"] > 0 and lookups["one_node_us"] > 0
+
+
+def test_a_shard_lost_with_its_replica_makes_only_its_partitions_misses(redis_cluster):
+    """A primary and its replica both gone, the cluster told to serve what it still covers
+    (`cluster-require-full-coverage no`): that shard's partitions miss and drop, its bytes leave the count, and
+    every other partition keeps serving its chains bit for bit."""
+    for n in redis_cluster.nodes:
+        with n.client() as c:
+            c.config_set("cluster-require-full-coverage", "no")
+    store = make_store(redis_cluster.seed_url)
+    written_everywhere(store, "before")
+    victim = store.owner(store.partitions[0])
+    lost = [p for p in store.partitions if store.owner(p) == victim]
+    held = store.used_bytes()
+    primary = next(n for n in redis_cluster.nodes if f"127.0.0.1:{n.port}" == victim)
+    with primary.client() as c:
+        replica = int(c.info("replication")["slave0"]["port"])
+    for n in redis_cluster.nodes:
+        if n.port in (primary.port, replica):
+            n.kill()
+    live = next(n for n in redis_cluster.nodes if n.proc is not None)
+    deadline = time.monotonic() + 30
+    while True:  # until the others mark the shard failed and go on serving the rest
+        with live.client() as c:
+            nodes = c.execute_command("CLUSTER", "NODES").decode()
+            state = c.execute_command("CLUSTER", "INFO").decode()
+        line = next(x for x in nodes.splitlines() if f":{primary.port}@" in x)
+        if "fail" in line.split()[2] and "cluster_state:ok" in state:
+            break
+        assert time.monotonic() < deadline, "the cluster never dropped the lost shard"
+        time.sleep(0.1)
+    written_everywhere_but = [p for p in store.partitions if p not in lost]
+    data = payloads(2, seed=3)
+    for i in range(200):
+        keys = chain(2, f"after{i}")
+        route = chain_route(keys, ROUTE_BLOCKS)
+        statuses = store.put_chain(items_of(keys, data), set(), route)
+        out = [torch.empty(PAYLOAD, dtype=torch.uint8) for _ in keys]
+        got = store.get_many(keys, out, route)
+        if store._where(route) in lost:
+            assert statuses in ([PutStatus.DROPPED] * 2, [PutStatus.FAILED] * 2) and got == [ReadStatus.MISSING] * 2
+        else:
+            assert got == [ReadStatus.OK] * 2 and all(torch.equal(o, d) for o, d in zip(out, data))
+    assert written_everywhere_but
+    assert 0 < store.used_bytes() < held + 200 * 2 * VALUE
+    for part in written_everywhere_but:
+        with node_client(store.owner(part)) as c:
+            check_accounting(c, part.prefix.decode(), part.max_bytes)
+    store.close()

@@ -132,6 +132,9 @@ class RedisClusterStore(RedisStore):
         the background); `_Skipped` when that node is down or its breaker open (the map is refreshed too)."""
         assert isinstance(part, ClusterPartition)
         name = self._owners[part.slot]
+        if not name:  # no node serves the slot (a shard lost with its replicas): a miss, as for a node down
+            self._stale.set()
+            raise _Skipped(by_breaker=True)
         for attempt in range(2):
             try:
                 replies = exchange(*self._node(name), chunks(), read)
@@ -197,14 +200,10 @@ class RedisClusterStore(RedisStore):
     # -- accounting over all partitions ----------------------------------------------------------------
 
     def used_bytes(self) -> int | None:
-        """Bytes of all partitions (what max_bytes bounds); None when a partition's node does not answer."""
-        total = 0
-        for part in self.partitions:
-            used = self._used(part)
-            if used is None:
-                return None
-            total += used
-        return total
+        """Bytes of the partitions whose nodes answer (what max_bytes bounds: a lost shard's bytes leave the
+        count with it); None when none answers."""
+        used = [u for u in (self._used(part) for part in self.partitions) if u is not None]
+        return sum(used) if used else None
 
     def capacity_bytes(self) -> int:
         return sum(self._capacity(part) for part in self.partitions)
