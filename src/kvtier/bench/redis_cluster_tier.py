@@ -19,7 +19,6 @@ On a real loopback cluster (`RedisClusterNodes`: three primaries, a replica each
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +29,7 @@ import redis
 import torch
 from redis.cluster import RedisCluster
 
-from kvtier.bench.redis_server import RedisClusterNodes, redis_server_binary, throwaway_redis
+from kvtier.bench.redis_server import throwaway_cluster, throwaway_redis
 from kvtier.keys import chain_route
 from kvtier.stores.base import PutStatus, ReadStatus
 from kvtier.stores.redis import RedisStore
@@ -198,23 +197,14 @@ def _lookups(cluster_url: str, node_url: str, rounds: int, calls: int = 200) -> 
 
 def run(trace: Path | None, quick: bool = False) -> dict:
     """The three figures on one fresh cluster (module doc); `spread` needs the trace (else it says why not)."""
-    binary = redis_server_binary()
-    if binary is None:
-        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-    with tempfile.TemporaryDirectory(prefix="kvtier-cluster-") as tmp:
-        nodes = RedisClusterNodes(binary, Path(tmp)).start()
-        try:
-            throughput = _throughput(nodes.seed_url, 32 if quick else 64, 3 if quick else 7)
-            result: dict[str, Any] = {"redis_cluster_vs_raw": throughput}
-            result["min_ratio"] = min(result["redis_cluster_vs_raw"]["put_ratio"],
-                                      result["redis_cluster_vs_raw"]["get_ratio"])
-            result["target"] = 0.9
-            result["spread"] = (_spread(nodes.seed_url, trace, 2000 if quick else None) if trace is not None
-                                else {"skipped": "the Mooncake conversation trace is not in $KVTIER_TRACES_DIR"})
-            with throwaway_redis() as node_url:
-                result["lookup_vs_one_node"] = _lookups(nodes.seed_url, node_url, 3 if quick else 7)
-        finally:
-            nodes.stop()
+    with throwaway_cluster() as url:
+        throughput = _throughput(url, 32 if quick else 64, 3 if quick else 7)
+        result: dict[str, Any] = {"redis_cluster_vs_raw": throughput, "target": 0.9,
+                                  "min_ratio": min(throughput["put_ratio"], throughput["get_ratio"])}
+        result["spread"] = (_spread(url, trace, 2000 if quick else None) if trace is not None
+                            else {"skipped": "the Mooncake conversation trace is not in $KVTIER_TRACES_DIR"})
+        with throwaway_redis() as node_url:
+            result["lookup_vs_one_node"] = _lookups(url, node_url, 3 if quick else 7)
     return result
 
 

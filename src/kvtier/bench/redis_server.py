@@ -223,12 +223,30 @@ class RedisClusterNodes:
 @contextmanager
 def throwaway_redis() -> Iterator[str]:
     """A RedisServer in a temp dir for the length of a `with`; yields its URL."""
-    binary = redis_server_binary()
-    if binary is None:
-        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-    with tempfile.TemporaryDirectory(prefix="kvtier-redis-") as tmp:
-        server = RedisServer(binary, Path(tmp)).start()
+    with _temp_dir("kvtier-redis-") as (binary, tmp):
+        server = RedisServer(binary, tmp).start()
         try:
             yield server.url
         finally:
             server.stop()
+
+
+@contextmanager
+def throwaway_cluster() -> Iterator[str]:
+    """A RedisClusterNodes (3 primaries, a replica each) in a temp dir for the length of a `with`; yields its
+    seed URL."""
+    with _temp_dir("kvtier-cluster-") as (binary, tmp):
+        nodes = RedisClusterNodes(binary, tmp).start()
+        try:
+            yield nodes.seed_url
+        finally:
+            nodes.stop()
+
+
+@contextmanager
+def _temp_dir(prefix: str) -> Iterator[tuple[str, Path]]:
+    binary = redis_server_binary()
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield binary, Path(tmp)
