@@ -60,3 +60,14 @@ def test_the_weights_bench_measures_each_start_and_leaves_nothing(tmp_path):
     assert result["cached_start"]["first_start_bytes_read"] == result["bytes"] == 64 << 20
     assert result["cached_start"]["bytes_read"] == 0
     assert not list(tmp_path.iterdir())
+
+
+def test_scheduler_cost_is_measured_beside_vllms_hashing():
+    """`kvtier.bench.scheduler` on a short prompt: both sides timed, stores and loads of the whole chain, with
+    and without eviction."""
+    from kvtier.bench.scheduler import _case
+
+    for evict in (False, True):
+        case = _case(64 * 16, evict, rounds=1)
+        assert case["blocks"] == 64 and case["evict"] is evict
+        assert all(case[k] > 0 for k in ("store_ms", "load_ms", "store_vllm_hashing_ms", "store_ratio", "load_ratio"))
