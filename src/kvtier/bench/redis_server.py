@@ -14,8 +14,8 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import redis
@@ -220,33 +220,25 @@ class RedisClusterNodes:
             n.stop()
 
 
-@contextmanager
-def throwaway_redis() -> Iterator[str]:
+def throwaway_redis() -> AbstractContextManager[str]:
     """A RedisServer in a temp dir for the length of a `with`; yields its URL."""
-    with _temp_dir("kvtier-redis-") as (binary, tmp):
-        server = RedisServer(binary, tmp).start()
-        try:
-            yield server.url
-        finally:
-            server.stop()
+    return _throwaway(lambda binary, tmp: RedisServer(binary, tmp).start())
 
 
-@contextmanager
-def throwaway_cluster() -> Iterator[str]:
+def throwaway_cluster() -> AbstractContextManager[str]:
     """A RedisClusterNodes (3 primaries, a replica each) in a temp dir for the length of a `with`; yields its
     seed URL."""
-    with _temp_dir("kvtier-cluster-") as (binary, tmp):
-        nodes = RedisClusterNodes(binary, tmp).start()
-        try:
-            yield nodes.seed_url
-        finally:
-            nodes.stop()
+    return _throwaway(lambda binary, tmp: RedisClusterNodes(binary, tmp).start())
 
 
 @contextmanager
-def _temp_dir(prefix: str) -> Iterator[tuple[str, Path]]:
+def _throwaway(start: Callable[[str, Path], RedisServer | RedisClusterNodes]) -> Iterator[str]:
     binary = redis_server_binary()
     if binary is None:
         raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        yield binary, Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="kvtier-redis-") as tmp:
+        started = start(binary, Path(tmp))
+        try:
+            yield started.url if isinstance(started, RedisServer) else started.seed_url
+        finally:
+            started.stop()

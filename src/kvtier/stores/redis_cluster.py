@@ -78,18 +78,19 @@ class RedisClusterStore(RedisStore):
 
     def __init__(self, url: str, namespace: str, payload_nbytes: int, max_bytes: int, partitions: int = 64,
                  key_prefix: str = "kvtier:", socket_timeout_s: float = 1.0, connect_timeout_s: float = 0.5,
-                 pool_size: int = 16, breaker: CircuitBreaker | None = None, **kwargs: Any) -> None:
+                 pool_size: int = 16, breaker: CircuitBreaker | None = None, auth_key: bytes | None = None,
+                 oom_cap_s: float = 600.0, **connection_kwargs: Any) -> None:
         """`breaker`: the thresholds each node's own breaker takes. Raises ValueError naming what is wrong when
         the seed cannot be reached, is not a cluster node, or the cluster does not serve every slot."""
         super().__init__(url, namespace, payload_nbytes, max_bytes, key_prefix, socket_timeout_s, connect_timeout_s,
-                         pool_size, breaker, **kwargs)
+                         pool_size, breaker, auth_key, oom_cap_s, **connection_kwargs)
         share = max_bytes // partitions
         if share < self.value_nbytes:
             raise ValueError(f"partitions ({partitions}): max_bytes / partitions = {share} bytes holds no block of "
                              f"{self.value_nbytes} bytes; use fewer partitions or a larger max_bytes")
         self._url, self._pool_size = url, pool_size
         self._timeouts = (socket_timeout_s, connect_timeout_s)
-        self._connection_kwargs = {k: v for k, v in kwargs.items() if k not in ("auth_key", "oom_cap_s")}
+        self._connection_kwargs = connection_kwargs
         self.partitions = [ClusterPartition(key_prefix.encode() + b"{" + tag + b"}:", share, slot)
                            for tag, slot in partition_tags(partitions)]
         self._cluster = _topology(url, socket_timeout_s, connect_timeout_s, self._connection_kwargs)
@@ -157,7 +158,7 @@ class RedisClusterStore(RedisStore):
             return []
         replies = self._exchange(part, lambda: [b"".join(command(b"EXISTS", part.prefix + self._id(k)) for k in keys)],
                                  len(keys))
-        asked = [i for i, r in enumerate(replies) if isinstance(r, AskError) and not isinstance(r, MovedError)]
+        asked = _asked(replies)
         if asked:  # in migration: those keys are asked of the importing node
             target = replies[asked[0]]
             got = self._asking(target, [part.prefix + self._id(keys[i]) for i in asked], b"EXISTS", len(asked))
@@ -168,7 +169,7 @@ class RedisClusterStore(RedisStore):
     def _values(self, part: Partition, keys: Sequence[bytes], headers: Sequence[memoryview],
                 outs: Sequence[memoryview]) -> list[Any]:
         replies = super()._values(part, keys, headers, outs)
-        asked = [i for i, r in enumerate(replies) if isinstance(r, AskError) and not isinstance(r, MovedError)]
+        asked = _asked(replies)
         if asked:  # in migration: read those values off the importing node (no touch: it is the source's job)
             target = replies[asked[0]]
 
@@ -221,10 +222,6 @@ class RedisClusterStore(RedisStore):
                        for n in ("opens", "closes", "failures", "rejected")})
         counts.update(breaker_state=worst.value, nodes=len(breakers))
         return counts
-
-    def node_breakers(self) -> dict[str, BreakerState]:
-        with self._nodes_lock:
-            return {name: node.breaker.state for name, node in self._nodes.items()}
 
     def close(self) -> None:
         self._closed.set()
@@ -315,6 +312,11 @@ def _topology(url: str, socket_timeout_s: float, connect_timeout_s: float, kwarg
     except (redis.RedisError, OSError) as e:
         raise ValueError(f"url: no node of a Redis Cluster answers at {urlsplit(url).hostname}:"
                          f"{urlsplit(url).port}: {e}") from None
+
+
+def _asked(replies: list[Any]) -> list[int]:
+    """Where the replies are ASK redirects (a key of a slot in migration, already moved); MOVED is not one."""
+    return [i for i, r in enumerate(replies) if isinstance(r, AskError) and not isinstance(r, MovedError)]
 
 
 def _first(replies: list[Any], kinds: tuple[type, ...]) -> Any:
