@@ -41,15 +41,18 @@ def tiny_model(tmp_path_factory) -> str:
 
 def run(engines: Zygote, model: str, config: dict | str, *prompts: str, expect_rc: int = 0,
         figures: dict | None = None, prometheus: dict | None = None, separate_engine: bool = False,
-        redis=None) -> list[dict] | str:
+        redis=None, engine: dict | None = None) -> list[dict] | str:
     """The outputs of `prompts` in a fresh engine process (from `engines`); `figures` receives kvtier's worker
     figures, `prometheus` the engine's kvtier series (both halves, aggregated by vLLM). `redis`: the test's
     server, which the prompts `!redis-kill` and `!redis-start` kill and start again.
-    `separate_engine`: vLLM's default mode, the engine core in a process of its own."""
+    `separate_engine`: vLLM's default mode, the engine core in a process of its own. `engine`: other vLLM engine
+    arguments, and `engine_blocks` (`tests.vllm.scenario`)."""
     if isinstance(config, dict) and config.get("secondary_tiers") and "load_policy" not in config:
         config = {**config, "load_policy": "always"}  # what a load delivers is tested here; whether, on its own
     cfg = config if isinstance(config, str) else json.dumps(config)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if separate_engine else "0"}
+    if engine is not None:
+        env["KVTIER_TEST_ENGINE"] = json.dumps(engine)
     if redis is not None:
         env["KVTIER_TEST_REDIS"] = f"{redis.binary}|{redis.port}|{redis.dir}|{redis.proc.pid}"
     proc = engines.run("tests.vllm.scenario", [model, cfg, *prompts], env, ROOT)
@@ -87,6 +90,36 @@ def test_host_tier_restores_exactly(engines, tiny_model, engine_only, tmp_path):
     assert restored["cached"] == 1920  # every block but the last came back from the host tier
     assert restored["tokens"] == engine_hit["tokens"] == engine_only[0]["tokens"]
     assert max_diff(restored, engine_hit) == 0.0
+
+
+SMALL_BLOCKS = {"block_size": 32, "engine_blocks": 130}  # 16 is refused: "No common block size for 16 (CPU_ATTN:
+# [MultipleOf(32)])"; 130 blocks hold one 4,064-token prompt (127 blocks) and little more
+
+
+def test_a_long_request_in_the_smallest_engine_blocks_restores_exactly_one_step_per_block(engines, tiny_model):
+    """A 4,064-token prompt in 32-token blocks, the smallest the CPU backend accepts: 127 blocks stored, one PUT step
+    each; another long prompt evicts it from the engine but for a block or so; the rest of its 126 cacheable blocks
+    comes back from the host tier, one GET step per block, and the answer equals vLLM's own cache hit of the same
+    4,032 tokens."""
+    engine_hit = run(engines, tiny_model, "off", "L@4064", "L@4064", engine=SMALL_BLOCKS)[-1]
+    assert engine_hit["cached"] == 4032  # 126 whole blocks: vLLM computes the last token again
+    figures: dict = {}
+    series: dict = {}
+    out = run(engines, tiny_model, {"cpu_bytes_to_use": 64 << 20}, "L@4064", "M@4064", "L@4064",
+              engine=SMALL_BLOCKS, figures=figures, prometheus=series)
+    restored = out[-1]
+    assert restored["cached"] == 4032
+    assert restored["tokens"] == engine_hit["tokens"] == out[0]["tokens"]
+    assert max_diff(restored, engine_hit) == 0.0
+    kept = series['kvtier_lookup_tokens_total{source="engine"}'] // 32  # L's blocks the engine still had
+    assert kept < 126 // 2  # M took most of the engine's memory: the host tier served the rest
+    block_bytes = 4 * 2 * 2 * 64 * 32 * 2  # layers, K and V, KV heads, head size, tokens, bf16
+    moves, moved = figures["moves"], figures["move_bytes"]
+    assert moves["caller->host"] == 2 * 127  # L's blocks and M's, one step each
+    assert moves["host->caller"] == 126 - kept  # one step per block loaded
+    assert series['kvtier_lookup_tokens_total{source="host"}'] == moves["host->caller"] * 32
+    assert moved["caller->host"] == moves["caller->host"] * block_bytes
+    assert moved["host->caller"] == moves["host->caller"] * block_bytes
 
 
 def test_a_prefix_cache_reset_reaches_every_tier(engines, tiny_model, engine_only, tmp_path):

@@ -2,11 +2,13 @@
 
 Each engine gets a fresh process, as a served engine would: the tests fork it from `tests.vllm.zygote`.
     python -m tests.vllm.scenario MODEL_DIR CONFIG_JSON|off PROMPTS...
-PROMPTS name seeded 2048-token prompts: A, B, C, D; `A+B` submits A and B together. The engine's KV cache
-holds 48 blocks of 128 tokens, so three other prompts evict a fourth. `!redis-kill` and `!redis-start` kill and
-restart (same port, empty) the test's redis-server, named by KVTIER_TEST_REDIS="binary|port|dir|pid"; `!reset`
-resets vLLM's prefix cache and the connector's; `!sleep:S` waits S seconds. Between requests the engine steps
-until the connector's stores are done, as a served engine does.
+PROMPTS name seeded 2048-token prompts: A, B, C, D (`L@4064`: a 4,064-token one); `A+B` submits A and B
+together. The engine's KV cache holds 48 blocks of 128 tokens, so three other prompts evict a fourth;
+KVTIER_TEST_ENGINE='{"block_size": 32, "engine_blocks": 130}' sets other vLLM engine arguments and blocks.
+`!redis-kill` and `!redis-start` kill and restart (same port, empty) the test's redis-server, named by
+KVTIER_TEST_REDIS="binary|port|dir|pid"; `!reset` resets vLLM's prefix cache and the connector's; `!sleep:S`
+waits S seconds. Between requests the engine steps until the connector's stores are done, as a served engine
+does.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import time
 from pathlib import Path
 
 
-def prompt(name: str, n: int = 2048) -> list[int]:
+def prompt(name: str) -> list[int]:
+    """The seeded prompt `name` (2,048 tokens) or `name@length`."""
+    name, _, length = name.partition("@")
     rng = random.Random(name)
-    return [rng.randrange(3, 32000) for _ in range(n)]
+    return [rng.randrange(3, 32000) for _ in range(int(length or 2048))]
 
 
 def redis_action(action: str, restarted):
@@ -79,7 +83,7 @@ def main() -> None:
 
     model, config, names = sys.argv[1], sys.argv[2], sys.argv[3:]
     kv = None if config == "off" else json.loads(config)
-    llm = start_engine(model, kv)
+    llm = start_engine(model, kv, **json.loads(os.environ.get("KVTIER_TEST_ENGINE", "{}")))
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, detokenize=False)
     results = []
     redis = None  # the server this process restarted, stopped when it ends

@@ -51,6 +51,25 @@ def print_tiers(console: Console, result: dict) -> None:
                   f"(O_DIRECT tier={result['disk']['tier_o_direct']}, raw={result['disk']['raw_o_direct']})")
 
 
+def print_scheduler(console: Console, figures: dict) -> None:
+    """`kvtier.bench.scheduler`: milliseconds of the scheduler thread per request, and the ratio to vLLM's hashing."""
+    table = Table(title=f"scheduler_ms_per_request: one request in {figures['block_tokens']}-token blocks, warm host "
+                  "tier, medians of paired rounds (lower is better)")
+    for column in ("request", "part", "kvtier", "vLLM hashing", "ratio", "rounds", "target", ""):
+        table.add_column(column, justify="left" if column in ("request", "part") else "right")
+    for case in figures["cases"]:
+        long = case["tokens"] == max(c["tokens"] for c in figures["cases"])
+        for part, what in (("load", "lookup+plan_load+done"), ("store", "plan_store+done")):
+            ratio = case[f"{part}_ratio"]
+            runs = case[f"{part}_ratio_runs"]
+            met = "" if not long else ("[green]ok[/]" if ratio <= figures["target"] else "[red]MISSED[/]")
+            table.add_row(f"{case['tokens'] // 1024}k tok{', evicting' if case['evict'] else ''}", what,
+                          f"{case[f'{part}_ms']:.1f} ms", f"{case[f'{part}_vllm_hashing_ms']:.1f} ms", f"{ratio:.2f}",
+                          f"{len(runs)} ({min(runs):.2f}-{max(runs):.2f})", f"≤ {figures['target']}" if long else "",
+                          met)
+    console.print(table)
+
+
 def print_simulator(console: Console, sim: dict) -> None:
     table = Table(title=f"simulator vs libcachesim: {sim['accesses']:,} block accesses of the Mooncake conversation "
                   "trace, medians")

@@ -11,6 +11,9 @@
                     preallocated buffer and back; the tiny model's pages and Llama-3.1-8B's (`kvtier.bench.pages`).
 - lookup_keys_per_s Directory.lookup of a fully cached 128k-token prompt (16- and 256-token blocks) in a
                     warm directory of 1M blocks; a Python loop of dict.get over the same keys is the baseline.
+- scheduler_vs_vllm_hashing  what one long request's lookup, load or store plan and completions cost vLLM's
+                    scheduler thread in the directory, against vLLM's own hashing of the same prompt
+                    (`kvtier.bench.scheduler`; lower is better).
 
 Ours and the baseline alternate (ABBA) so that they share the machine's noise (`kvtier.timing`);
 figures are medians of the paired ratios, and both sides' raw throughputs are reported too. Then the
@@ -33,12 +36,19 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvtier.bench import redis_cluster_tier, redis_tier, simulator
+from kvtier.bench import redis_cluster_tier, redis_tier, scheduler, simulator
 from kvtier.bench.disk import disk_case
 from kvtier.bench.host import host_case
 from kvtier.bench.lookup import lookup_case
 from kvtier.bench.pages import GEOMETRIES, pages_case
-from kvtier.bench.tables import print_redis, print_redis_cluster, print_simulator, print_tiers, size_name
+from kvtier.bench.tables import (
+    print_redis,
+    print_redis_cluster,
+    print_scheduler,
+    print_simulator,
+    print_tiers,
+    size_name,
+)
 from kvtier.timing import cpu_busy, machine, others_load
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -109,7 +119,8 @@ def run(json_path: str | None, quick: bool = False, root: str | None = None) -> 
                       console=console) as progress:
             tasks = {f"host {size_name(b)}": 2 * (reps + 1) for b in sizes.host_blocks}
             tasks |= {f"pages, {name}": 2 * (reps + 1) for name in GEOMETRIES}
-            tasks |= {"disk write+read": reps + 1, "directory build": 1, "lookup": 2 * (reps + 1)}
+            tasks |= {"disk write+read": reps + 1, "directory build": 1, "lookup": 2 * (reps + 1),
+                      "scheduler": scheduler.ticks(quick)}
             ids = {name: progress.add_task(name, total=total) for name, total in tasks.items()}
 
             def tick(name: str) -> Callable[[], None]:
@@ -137,6 +148,8 @@ def run(json_path: str | None, quick: bool = False, root: str | None = None) -> 
             result["lookup_keys_per_s"] = min(case["keys_per_s"] for case in lookup["by_block_tokens"].values())
             result["lookup_keys_per_s_overall"] = "minimum over block sizes"
             result["lookup"] = lookup
+            result["scheduler"] = scheduler.run(quick, tick("scheduler"))
+            result["scheduler_vs_vllm_hashing"] = result["scheduler"]["scheduler_vs_vllm_hashing"]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     result["machine"]["loadavg_end"] = os.getloadavg()
@@ -146,6 +159,7 @@ def run(json_path: str | None, quick: bool = False, root: str | None = None) -> 
     result["targets"] = {name: {"target": target, "value": result[name], "met": result[name] >= target}
                          for name, target in TARGETS.items()}
     print_tiers(console, result)
+    print_scheduler(console, result["scheduler"])
     try:
         trace = simulator.default_trace()
     except FileNotFoundError as missing:  # the public trace is not shipped: its figures need it downloaded
