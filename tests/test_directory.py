@@ -654,3 +654,40 @@ def test_auto_sightings_keep_unique_traffic_off_the_disk_and_admit_first_sightin
     for i in range(200):
         serve(d, [f"w{i}".encode()])
     assert d.stats.planned_moves[("host", "disk")] == written
+
+
+def test_runs_planned_in_bulk_plan_what_the_per_block_path_plans(monkeypatch) -> None:
+    """The bulk paths (`StorePlanner._run`: a run of new blocks with room; `LoadPlanner._read_first`: the leading
+    first-tier hits) shortcut the per-block loops: random traffic of a prefix tree, through a host tier that fills
+    and demotes to a disk tier, plans the same steps (ids, slots and indexes included) with them as without them,
+    and leaves the same blocks in the same policy order."""
+    from kvtier.directory.loading import LoadPlanner
+    from kvtier.directory.storing import StorePlanner
+
+    rng = random.Random(7)
+    trunks = [tuple(rng.randrange(1, 250) for _ in range(rng.randrange(1, 30))) for _ in range(6)]
+    requests = [chain(rng.choice(trunks) + tuple(rng.randrange(1, 250) for _ in range(rng.randrange(0, 40))))
+                for _ in range(300)]
+
+    def replay() -> tuple[list, list]:
+        d = Directory([TierSpec("host", 64 * BLOCK, BLOCK, kind=TierKind.HOST), TierSpec("disk", 256 * BLOCK, BLOCK)])
+        plans: list = []
+        for keys in requests:
+            load = d.plan_load(keys)
+            complete_instantly(d, load)
+            d.finish_load(load)
+            hit = len(load.keys)
+            store = d.plan_store(keys[hit:], parent=keys[hit - 1] if hit else None)
+            complete_instantly(d, store)
+            plans += [load.chains, load.sources, store.chains]
+        return plans, [list(t.policy.candidates()) for t in d.tiers]
+
+    bulk = replay()
+    stats = Counter()
+    with monkeypatch.context() as m:
+        m.setattr(StorePlanner, "_run", lambda *args: stats.update(["run"]) or [])
+        m.setattr(LoadPlanner, "_read_first", lambda *args: stats.update(["read_first"]) or 0)
+        per_block = replay()
+    assert stats["run"] > 50 and stats["read_first"] > 100  # both shortcuts had traffic to shortcut
+    assert sum(len(chains) for chains in bulk[0][2::3]) > 2000  # stores, many of them evicting
+    assert bulk == per_block

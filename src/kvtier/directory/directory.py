@@ -186,11 +186,12 @@ class Directory:
         if step.op is Op.DELETE:
             self._delete_done(step, ok=status is Status.OK)
             return
-        if self._shared is not None and self._shared.step_done(step):
+        copy = step.op is Op.COPY  # only a COPY pins its block (a write-through) or holds the copy it reads
+        if copy and self._shared is not None and self._shared.step_done(step):
             return
         if step.dst == CALLER and self.shared is not None and step.src == self.shared.name:
             return  # a fetch read straight into the caller: no block of ours
-        holds = self._ledger.release_hold(step)
+        holds = copy and self._ledger.release_hold(step)
         block = self._table.find(step.key)
         if block is None:
             return

@@ -33,6 +33,10 @@ class StepLedger:
         """A new step with an id unique within this directory."""
         return Step(op, key, src, dst, src_slot, dst_slot, index, parent, needs_prev, next(self._ids))
 
+    def take_ids(self, n: int) -> list[int]:
+        """The ids of `n` new steps, made by the caller (a run of them, planned in bulk)."""
+        return list(itertools.islice(self._ids, n))
+
     # ---------------------------------------------------------------- reads and pins
 
     def hold(self, step: Step) -> None:

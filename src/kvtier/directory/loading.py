@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
 from kvtier.directory.blocks import Block
-from kvtier.directory.plan import CALLER, Op, Plan
+from kvtier.directory.plan import CALLER, Op, Plan, Step
 from kvtier.directory.recency import Recency
 from kvtier.directory.room import Room
 from kvtier.directory.shared import SharedTierPlans
@@ -35,12 +35,14 @@ class LoadPlanner:
         sources = table.lookup(keys, skip)
         first = table.tiers[0]
         plan = Plan(chains=[], keys=list(keys[: len(sources)]), sources=sources)
-        for key in plan.keys:
-            table.blocks[key].pins += 1
+        hit = [table.blocks[key] for key in plan.keys]
+        for block in hit:
+            block.pins += 1
+        lead = self._read_first(hit, plan)
         promoted: list[Block] = []
         whole = True  # the local prefix is planned to its end: fetches may follow it
-        for i, (key, source) in enumerate(zip(plan.keys, sources)):
-            block = table.blocks[key]
+        for i in range(lead, len(hit)):
+            block, key, source = hit[i], plan.keys[i], sources[i]
             block.seen += 1
             below = source != first.name
             if below:
@@ -72,6 +74,18 @@ class LoadPlanner:
                 first.policy.insert(block.key, block.priority)
         table.touch_chain([table.blocks[k] for k in plan.keys if k in table.blocks])
         return plan
+
+    def _read_first(self, hit: list[Block], plan: Plan) -> int:
+        """The GETs of the leading blocks the first tier holds (most loads' whole prefix), planned in bulk: how
+        many. What the loop in `plan` would plan for each, one by one."""
+        name = self.table.tiers[0].name
+        lead = next((i for i, source in enumerate(plan.sources) if source != name), len(plan.sources))
+        ids = self.ledger.take_ids(lead)
+        plan.chains += [[Step(Op.GET, block.key, name, CALLER, block.copies[name].slot, None, i, None, False, step_id)]
+                        for i, block, step_id in zip(range(lead), hit, ids)]
+        for block in hit[:lead]:
+            block.seen += 1
+        return lead
 
     def finish(self, plan: Plan) -> None:
         """See `Directory.finish_load`."""

@@ -128,8 +128,9 @@ class BlockTable:
             self._garbage.append(self.ledger.delete(tier.name, block.key, accounted=True))
 
     def unpin(self, keys: Sequence[bytes]) -> None:
+        blocks, retiring = self.blocks, self.retiring
         for key in keys:
-            block = self.find(key)
+            block = blocks.get(key) or retiring.get(key)  # `find`
             if block is None:
                 continue
             block.pins -= 1
@@ -138,10 +139,10 @@ class BlockTable:
 
     def touch_chain(self, blocks: Sequence[Block]) -> None:
         """A hit on a chain: leaf first, so that ancestors stay more recent than descendants."""
-        for block in reversed(blocks):
-            for name, copy in block.copies.items():
-                if copy.state is CopyState.READY:
-                    self.tier[name].policy.touch(block.key)
+        ready = CopyState.READY
+        for name in self.order:
+            self.tier[name].policy.touch_many([block.key for block in reversed(blocks)
+                                               if (copy := block.copies.get(name)) is not None and copy.state is ready])
 
     def announce(self, key: bytes, tier: str | None, stored: bool) -> None:
         if self.on_change is not None:

@@ -11,7 +11,7 @@ always calls `evicted` or stops iterating, never both.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 
 Key = Hashable
 DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority (0..100)
@@ -30,6 +30,16 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def touch(self, key: Key) -> None: ...
+
+    def insert_many(self, keys: Iterable[Key], priority: int = DEFAULT_PRIORITY) -> None:
+        """`insert` each of `keys`, in order (a stored run of blocks)."""
+        for key in keys:
+            self.insert(key, priority)
+
+    def touch_many(self, keys: Iterable[Key]) -> None:
+        """`touch` each of `keys`, in order (a hit on a chain)."""
+        for key in keys:
+            self.touch(key)
 
     @abstractmethod
     def remove(self, key: Key) -> None: ...

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from kvtier.policies.base import DEFAULT_PRIORITY, EvictionPolicy, Key
 
@@ -19,8 +19,20 @@ class LRUPolicy(EvictionPolicy):
         self._order[key] = None
         self._order.move_to_end(key)
 
+    def insert_many(self, keys: Iterable[Key], priority: int = DEFAULT_PRIORITY) -> None:
+        keys = list(keys)
+        if self._order.keys().isdisjoint(keys):  # new keys: appended in order, in one call
+            self._order.update(dict.fromkeys(keys))
+        else:
+            super().insert_many(keys, priority)
+
     def touch(self, key: Key) -> None:
         self._order.move_to_end(key)
+
+    def touch_many(self, keys: Iterable[Key]) -> None:
+        move = self._order.move_to_end
+        for key in keys:
+            move(key)
 
     def remove(self, key: Key) -> None:
         self._order.pop(key, None)
