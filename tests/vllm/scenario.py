@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 
 
-def prompt(name: str) -> list[int]:
-    """The seeded prompt `name` (2,048 tokens) or `name@length`."""
+def prompt(name: str, n: int = 2048) -> list[int]:
+    """The seeded prompt `name` of `n` tokens; `name@length` says its length itself."""
     name, _, length = name.partition("@")
     rng = random.Random(name)
-    return [rng.randrange(3, 32000) for _ in range(int(length or 2048))]
+    return [rng.randrange(3, 32000) for _ in range(int(length or n))]
 
 
 def redis_action(action: str, restarted):
