@@ -95,13 +95,13 @@ def _case(n_tokens: int, evict: bool, rounds: int, tick: Callable[[], None] = la
     return figures
 
 
+def round_count(quick: bool) -> int:
+    return 3 if quick else 7
+
+
 def ticks(quick: bool) -> int:
     """How often `run` calls its `tick`: for a progress bar's total."""
     return len(PROMPTS) * 2 * 2 * (round_count(quick) + 1)
-
-
-def round_count(quick: bool) -> int:
-    return 3 if quick else 7
 
 
 def run(quick: bool = False, tick: Callable[[], None] = lambda: None) -> dict:

@@ -57,8 +57,9 @@ def print_scheduler(console: Console, figures: dict) -> None:
                   "tier, medians of paired rounds (lower is better)")
     for column in ("request", "part", "kvtier", "vLLM hashing", "ratio", "rounds", "target", ""):
         table.add_column(column, justify="left" if column in ("request", "part") else "right")
+    longest = max(c["tokens"] for c in figures["cases"])  # the target is the longest prompt's
     for case in figures["cases"]:
-        long = case["tokens"] == max(c["tokens"] for c in figures["cases"])
+        long = case["tokens"] == longest
         for part, what in (("load", "lookup+plan_load+done"), ("store", "plan_store+done")):
             ratio = case[f"{part}_ratio"]
             runs = case[f"{part}_ratio_runs"]

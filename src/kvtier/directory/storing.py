@@ -144,7 +144,7 @@ class StorePlanner:
             block.children = {child}
         table.link(run[0])
         blocks.update(zip(rest, run))
-        ids = self.table.ledger.take_ids(n)
+        ids = table.ledger.take_ids(n)
         plan.chains += [[Step(Op.PUT, block.key, CALLER, name, None, slot, index, block.parent, False, step_id)]
                         for block, slot, index, step_id in zip(run, slots, range(i, i + n), ids)]
         first.used_blocks += n
