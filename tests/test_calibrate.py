@@ -53,9 +53,13 @@ def test_a_calibration_through_the_cli_measures_the_server_and_every_tier(server
     uncached = {n: s for n, c, s in prefill.points if c == 0}
     cached = [(n, c, s) for n, c, s in prefill.points if c > 0]
     assert len(uncached) >= 5 and min(uncached) <= 64 and len(cached) >= 2
-    for n, c, s in cached:  # the server counted whole blocks cached; the whole prompt computed costs more
+    for n, c, _ in cached:  # the server counted whole blocks cached; the fit prices the whole prompt higher
         assert c % 128 == 0 and n + c in uncached
-        assert s < uncached[n + c], (n, c, s, uncached)
+        assert prefill.seconds(n, c) < prefill.seconds(n + c), (n, c, prefill)
+    # measured: three quarters cached saves most of the linear work, well beyond this CPU's run-to-run noise (a
+    # quarter cached saves so little that a busy machine can measure it dearer than the whole prompt)
+    n, c, s = max(cached, key=lambda point: point[1])
+    assert s < uncached[n + c], (n, c, s, uncached)
 
     assert [b for b, _ in profile.decode.points] == [1.0, 2.0, 4.0]
     assert all(s > 0 for _, s in profile.decode.points) and profile.decode.relative_rms <= MAX_RELATIVE_RMS
