@@ -27,6 +27,7 @@ import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -656,23 +657,31 @@ def test_auto_sightings_keep_unique_traffic_off_the_disk_and_admit_first_sightin
     assert d.stats.planned_moves[("host", "disk")] == written
 
 
-def test_runs_planned_in_bulk_plan_what_the_per_block_path_plans(monkeypatch) -> None:
-    """The bulk paths (`StorePlanner._run`: a run of new blocks with room; `LoadPlanner._read_first`: the leading
-    first-tier hits) shortcut the per-block loops: random traffic of a prefix tree, through a host tier that fills
-    and demotes to a disk tier, plans the same steps (ids, slots and indexes included) with them as without them,
-    and leaves the same blocks in the same policy order."""
+@pytest.mark.parametrize("tiers", ["host+disk", "host", "host, disk turned off halfway"])
+def test_runs_planned_in_bulk_plan_what_the_per_block_path_plans(monkeypatch, tiers: str) -> None:
+    """The bulk paths (`StorePlanner._run`: a run of new blocks with room, or room its evictions make in one walk;
+    `LoadPlanner._read_first`: the leading first-tier hits) shortcut the per-block loops: random traffic of a
+    prefix tree, through a host tier that fills (and demotes to a disk tier, or drops what it evicts, or both
+    once the disk is turned off), plans the same steps (ids, slots and indexes included) with them as without
+    them, evicts the same blocks and leaves the same blocks in the same policy order."""
     from kvtier.directory.loading import LoadPlanner
+    from kvtier.directory.room import Room
     from kvtier.directory.storing import StorePlanner
 
     rng = random.Random(7)
     trunks = [tuple(rng.randrange(1, 250) for _ in range(rng.randrange(1, 30))) for _ in range(6)]
     requests = [chain(rng.choice(trunks) + tuple(rng.randrange(1, 250) for _ in range(rng.randrange(0, 40))))
                 for _ in range(300)]
+    specs = [TierSpec("host", 64 * BLOCK, BLOCK, kind=TierKind.HOST)]
+    if tiers != "host":
+        specs.append(TierSpec("disk", 256 * BLOCK, BLOCK))
 
-    def replay() -> tuple[list, list]:
-        d = Directory([TierSpec("host", 64 * BLOCK, BLOCK, kind=TierKind.HOST), TierSpec("disk", 256 * BLOCK, BLOCK)])
+    def replay() -> tuple[list, list, Counter]:
+        d = Directory(specs)
         plans: list = []
-        for keys in requests:
+        for n, keys in enumerate(requests):
+            if tiers.endswith("halfway") and n == len(requests) // 2:
+                d.disabled = {"disk"}
             load = d.plan_load(keys)
             complete_instantly(d, load)
             d.finish_load(load)
@@ -680,9 +689,13 @@ def test_runs_planned_in_bulk_plan_what_the_per_block_path_plans(monkeypatch) ->
             store = d.plan_store(keys[hit:], parent=keys[hit - 1] if hit else None)
             complete_instantly(d, store)
             plans += [load.chains, load.sources, store.chains]
-        return plans, [list(t.policy.candidates()) for t in d.tiers]
+        return plans, [list(t.policy.candidates()) for t in d.tiers], d.stats.evictions
 
-    bulk = replay()
+    found = Counter()
+    with monkeypatch.context() as m:
+        victims = Room.victims
+        m.setattr(Room, "victims", lambda *args: found.update(["victims"] * bool(v := victims(*args))) or v)
+        bulk = replay()
     stats = Counter()
     with monkeypatch.context() as m:
         m.setattr(StorePlanner, "_run", lambda *args: stats.update(["run"]) or [])
@@ -690,4 +703,5 @@ def test_runs_planned_in_bulk_plan_what_the_per_block_path_plans(monkeypatch) ->
         per_block = replay()
     assert stats["run"] > 50 and stats["read_first"] > 100  # both shortcuts had traffic to shortcut
     assert sum(len(chains) for chains in bulk[0][2::3]) > 2000  # stores, many of them evicting
+    assert (found["victims"] > 20) == (tiers != "host+disk")  # runs that evicted in one walk, where nothing demotes
     assert bulk == per_block

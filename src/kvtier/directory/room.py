@@ -126,6 +126,33 @@ class Room:
                 break
         return fallback
 
+    def victims(self, tier: Tier, want: int) -> list[Block] | None:
+        """The `want` blocks that `want` calls of `allocate` would evict from `tier` one after another, if one walk
+        of its policy finds them: a tier whose evictions are dropped (no tier below takes them) and whose policy
+        keeps its order (`stable_order`). Each is the next evictable candidate, with no children left once the
+        ones before it are gone (or another copy keeping it); None at the first candidate that would orphan
+        blocks, where `pick_victim`'s search for a leaf decides, or when too few are evictable."""
+        if want < 1 or self._demote_to[tier.index] is not None or not tier.policy.stable_order:
+            return None
+        blocks = cast("dict[Hashable, Block]", self.table.blocks)
+        name, ready = tier.name, CopyState.READY
+        found: list[Block] = []
+        dropped: set[bytes] = set()  # victims with no other copy: they leave, and their parents lose a child
+        for key in tier.policy.candidates(None):
+            block = blocks[key]
+            copy = block.copies[name]
+            if copy.state is not ready or copy.readers or block.pins:
+                continue
+            others = len(block.copies) > 1
+            if block.children and not others and not dropped.issuperset(block.children):
+                return None
+            found.append(block)
+            if not others:
+                dropped.add(block.key)
+            if len(found) == want:
+                return found
+        return None
+
     def evict(self, tier: Tier, block: Block, chain: list[Step], reason: str, demote: bool = True) -> None:
         """Take `block` out of `tier`: demote it to the next tier if admitted (and `demote`), else drop it (and
         its orphans)."""

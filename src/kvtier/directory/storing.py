@@ -122,21 +122,32 @@ class StorePlanner:
              plan: Plan) -> list[Block]:
         """`keys[i:]`, all new, stored as `_new` would store them one by one, if nothing could tell them apart: the
         first tier admits each as it is (no sightings counted, no byte budget, the priority high enough) and has
-        room for all without evicting; none is retiring or repeated, the parent is here. Else none (`[]`)."""
+        room for all, free or made by evictions `Room.victims` finds in one walk; none is retiring or repeated,
+        the parent is here. Else none (`[]`)."""
         table, first = self.table, self.table.tiers[0]
         n, admission = len(keys) - i, first.spec.admission
+        take = min(n, first.capacity_blocks - first.used_blocks)  # free room; the rest is made by evictions
         if (n < 2 or table.sightings.counting or admission.max_bytes_per_s is not None
                 or priority < admission.min_priority or admission.sightings_needed > 1
-                or first.capacity_blocks - first.used_blocks < n or (first.slotted and len(first.free_slots) < n)
+                or (first.slotted and len(first.free_slots) < take)
                 or (parent_key is not None and parent_key not in table.blocks)):
             return []
         rest, blocks, retiring = keys[i:], table.blocks, table.retiring
         if not blocks.keys().isdisjoint(rest) or not retiring.keys().isdisjoint(rest) or len(set(rest)) < n:
             return []
+        victims = self.room.victims(first, n - take) if take < n else []
+        if victims is None or (victims and not first.slotted):  # a file's eviction adds a step to the chain
+            return []
         slots: Sequence[int | None] = [None] * n
-        if first.slotted:  # as many `pop()`s would give them
-            slots = first.free_slots[: -n - 1 : -1]
-            del first.free_slots[-n:]
+        if first.slotted:  # as many `pop()`s would give them: the free slots, then each victim's as it leaves
+            free_slots = first.free_slots
+            taken = free_slots[: -take - 1 : -1]
+            del free_slots[len(free_slots) - take :]
+            for victim in victims:
+                self.room.evict(first, victim, [], reason="capacity")
+            made = free_slots[len(free_slots) - len(victims) :]
+            del free_slots[len(free_slots) - len(victims) :]
+            slots = taken + made
         writing, name = CopyState.WRITING, first.name
         run = [Block(key, parent, priority, {name: Copy(slot, writing)})
                for key, parent, slot in zip(rest, [parent_key, *rest[:-1]], slots)]

@@ -19,6 +19,9 @@ DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority (0..100)
 
 class EvictionPolicy(ABC):
     name: str = "?"
+    # candidates() ignores `incoming`, and evicting one leaves the others in their order: the directory may
+    # then pick several victims in one walk (`Room.victims`)
+    stable_order: bool = False
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks <= 0:

@@ -10,6 +10,7 @@ from kvtier.policies.base import DEFAULT_PRIORITY, EvictionPolicy, Key
 
 class LRUPolicy(EvictionPolicy):
     name = "lru"
+    stable_order = True
 
     def __init__(self, capacity_blocks: int) -> None:
         super().__init__(capacity_blocks)
