@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvtier.config import ConfigError, GuardConfig, parse_config, parse_guard
@@ -332,6 +332,8 @@ FAULTS = ("none", "slow", "hung", "load-dependent")
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), fault=st.sampled_from(FAULTS), at_fault=st.sampled_from(["disk", "redis"]),
        overload=st.booleans(), moves_on=st.booleans())
+@example(seed=5592, fault="load-dependent", at_fault="redis", overload=False, moves_on=False)  # probed 99.9 s:
+# starved windows between clean ones once started their count over
 def test_the_guard_turns_off_only_the_tier_at_fault_never_flaps_and_always_comes_back(seed, fault, at_fault,
                                                                                      overload, moves_on):
     """Requests read from one tier or two in one request; one tier may be at fault (slow, hung: its loads end at

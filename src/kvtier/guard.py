@@ -15,12 +15,13 @@ A tier is turned off once its own requests broke a budget in `breach_windows` of
 (each with at least `min_requests` of them); when several tiers qualify at once, only the first in `order` goes
 (one change at a time: every tier's history starts over). Off, it is read by no request and written by nothing;
 its contents are kept. After its hold it is probed: a `probe_share` of requests read it again, and it is back on
-after `breach_windows` probe windows in a row within budget (a probe window needs `probe_share` of
+after `breach_windows` probe windows within budget (a probe window needs `probe_share` of
 `min_requests`, at least one); a breached one turns it off again. The hold is `hold_s`, times `hold_backoff` for
 each return in a row that broke the budget again (a load-dependent tier passes a probe's share and fails under
-all requests), at most `max_hold_s`. A tier on probe that no request reads for `of_windows` windows (nothing is
-written to it, and the traffic moved on from what it holds) comes back on and is judged on all requests. So a
-tier always comes back, and every transition's reason says why and for how long.
+all requests), at most `max_hold_s`. A tier on probe that too few requests read in `of_windows` of its windows
+(nothing is written to it, and the traffic moved on from what it holds) comes back on and is judged on all
+requests. So a tier always comes back, a probe lasts fewer than `of_windows + breach_windows` windows, and every
+transition's reason says why and for how long.
 The engine's own cache is never a tier here: nothing can turn it off.
 """
 
@@ -100,8 +101,8 @@ class _Tier:
     state: TierState = TierState.ON
     since: float = 0.0  # when it entered its state
     breaches: deque = field(default_factory=deque)  # ON: the verdicts of its last windows (True: breached)
-    clean: int = 0  # PROBE: probe windows within budget, in a row
-    starved: int = 0  # PROBE: probe windows in a row with too few probe requests to judge
+    clean: int = 0  # PROBE: probe windows within budget (a breached one ends the probe)
+    starved: int = 0  # PROBE: probe windows with too few probe requests to judge
     credit: float = 0.0  # PROBE: the share of requests owed to the probe
     hold: float = 0.0  # OFF: how long this hold lasts
     failed_returns: int = 0  # returns in a row after which it broke the budget again
@@ -224,7 +225,6 @@ class Guard:
                        f"{tier.hold:g} s")
         elif any(window.requests(name, s) >= self._probe_min for s in SIGNALS if self.budget[s] is not None):
             tier.clean += 1
-            tier.starved = 0
             if tier.clean >= self.config.breach_windows:
                 self._return(name, tier, end, f"{tier.clean} probe windows within budget")
         else:
