@@ -71,3 +71,20 @@ def test_scheduler_cost_is_measured_beside_vllms_hashing():
         case = _case(64 * 16, evict, rounds=1)
         assert case["blocks"] == 64 and case["evict"] is evict
         assert all(case[k] > 0 for k in ("store_ms", "load_ms", "store_vllm_hashing_ms", "store_ratio", "load_ratio"))
+
+
+def test_the_collectors_cost_counts_the_directorys_objects_alone():
+    """`collector`: a full directory, three objects the collector tracks per block (the block, its copies' dict,
+    its copy: a single child is held as its key, no set); stores timed with the collector off and on; the rest of
+    the heap frozen while it is measured, thawed after, and the collector left as it was."""
+    import gc
+
+    from kvtier.bench.scheduler import collector
+
+    frozen, enabled = gc.get_freeze_count(), gc.isenabled()
+    figures = collector(20_000, rounds=2, stores=2)
+    assert figures["blocks"] == 20_000 and figures["tracked_objects_per_block"] == 3
+    assert len(figures["full_collection_ms_runs"]) == 2 and figures["full_collection_ms"] > 0
+    assert figures["store_ms_collector_on"] > 0 and figures["store_ms_collector_off"] > 0
+    assert figures["full_collections_while_storing"] >= 1  # 2 x 8,192 new blocks on 20,000: a full one came due
+    assert gc.get_freeze_count() == frozen and gc.isenabled() == enabled

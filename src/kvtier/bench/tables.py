@@ -69,6 +69,16 @@ def print_scheduler(console: Console, figures: dict) -> None:
                           f"{len(runs)} ({min(runs):.2f}-{max(runs):.2f})", f"≤ {figures['target']}" if long else "",
                           met)
     console.print(table)
+    if "collector" in figures:
+        c = figures["collector"]
+        runs = c["full_collection_ms_runs"]
+        console.print(f"the collector, {c['blocks']:,} directory blocks and nothing else to scan "
+                      f"({c['tracked_objects_per_block']:g} tracked objects per block): a full collection "
+                      f"{c['full_collection_ms']:.1f} ms (median of {len(runs)}, {min(runs):.1f}-{max(runs):.1f}); "
+                      f"a 128k store that evicts as much, median of {c['stores']}: "
+                      f"{c['store_ms_collector_off']:.1f} ms with it off, "
+                      f"{c['store_ms_collector_on']:.1f} ms with it on (max {c['store_ms_collector_on_max']:.1f}, "
+                      f"{c['full_collections_while_storing']} full collections)")
 
 
 def print_simulator(console: Console, sim: dict) -> None:

@@ -118,7 +118,7 @@ class Room:
             copy = block.copies[name]
             if copy.state is not ready or copy.readers or block.pins:
                 continue
-            if has_lower or not block.children or len(block.copies) > 1:
+            if has_lower or block.children is None or len(block.copies) > 1:
                 return block
             fallback = fallback or block
             looked += 1
@@ -144,7 +144,7 @@ class Room:
             if copy.state is not ready or copy.readers or block.pins:
                 continue
             others = len(block.copies) > 1
-            if block.children and not others and not dropped.issuperset(block.children):
+            if block.children is not None and not others and not dropped.issuperset(block.child_keys()):
                 return None
             found.append(block)
             if not others:

@@ -152,7 +152,7 @@ class StorePlanner:
         run = [Block(key, parent, priority, {name: Copy(slot, writing)})
                for key, parent, slot in zip(rest, [parent_key, *rest[:-1]], slots)]
         for block, child in zip(run, rest[1:]):
-            block.children = {child}
+            block.children = child
         table.link(run[0])
         blocks.update(zip(rest, run))
         ids = table.ledger.take_ids(n)

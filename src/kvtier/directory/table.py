@@ -74,9 +74,7 @@ class BlockTable:
         """Enter `block` into the table, as a child of its parent if the parent is here."""
         self.blocks[block.key] = block
         if block.parent is not None and (parent := self.blocks.get(block.parent)) is not None:
-            if parent.children is None:
-                parent.children = set()
-            parent.children.add(block.key)
+            parent.add_child(block.key)
 
     def retire(self, block: Block) -> None:
         """`block` serves a transfer but was never linked (its parent is none of ours): it retires after it."""
@@ -92,10 +90,10 @@ class BlockTable:
                 continue
             self.sightings.sight(b.key, b.seen)  # when it comes back, "the second sighting" counts what it was seen
             self.announce(b.key, None, False)
-            if b.parent is not None and (parent := self.blocks.get(b.parent)) is not None and parent.children:
-                parent.children.discard(b.key)
-            if b.children:
-                stack.extend(self.blocks[k] for k in b.children if k in self.blocks)
+            if b.parent is not None and (parent := self.blocks.get(b.parent)) is not None:
+                parent.remove_child(b.key)
+            if b.children is not None:
+                stack.extend(self.blocks[k] for k in b.child_keys() if k in self.blocks)
                 b.children = None
             b.retiring = True
             for name in b.copies:  # in-flight copies stay counted, but are no longer candidates
