@@ -238,8 +238,7 @@ class TieredCache:
     def _report(self, steps: Sequence[Step], status: Status) -> None:
         """Mover threads land here after each step (or batch of steps)."""
         with self._lock:
-            for step in steps:
-                self.directory.complete(step, status)
+            self.directory.complete_many(steps, status)
             garbage = self.directory.take_garbage()
         self.mover.delete(garbage)
 

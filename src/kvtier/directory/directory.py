@@ -206,6 +206,31 @@ class Directory:
             return
         self._written(block, step, status)
 
+    def complete_many(self, steps: Iterable[Step], status: Status) -> None:
+        """`complete` each of `steps` in turn, all with `status`. Those that succeeded and change no more than a
+        state take a short way: a PUT into a live block's copy being written (it becomes readable), a GET from a
+        live block of ours (nothing to do): a long request's steps, nearly all."""
+        if status is not Status.OK:
+            for step in steps:
+                self.complete(step, status)
+            return
+        blocks, table = self._table.blocks, self._table
+        put, get, writing, ready = Op.PUT, Op.GET, CopyState.WRITING, CopyState.READY
+        shared = self.shared.name if self.shared is not None else None
+        for step in steps:
+            op = step.op
+            block = blocks.get(step.key)
+            if block is not None and not block.retiring:
+                if op is put:
+                    copy = block.copies.get(step.dst)
+                    if copy is not None and copy.state is writing:
+                        copy.state = ready
+                        table.announce(step.key, step.dst, True)
+                        continue
+                elif op is get and block.copies and step.src != shared:
+                    continue
+            self.complete(step, status)
+
     def _written(self, block: Block, step: Step, status: Status) -> None:
         """A COPY or PUT into `step.dst` ended: its copy there is readable now, or gone; a block left in no tier,
         or dropped meanwhile, leaves (or retires) once no transfer touches it."""

@@ -15,11 +15,8 @@ from kvtier.policies.base import DEFAULT_PRIORITY
 
 
 def complete_instantly(directory: Directory, plan: Plan) -> None:
-    for chain in plan.chains:
-        for step in chain:
-            directory.complete(step, Status.OK)
-    for step in directory.take_garbage():
-        directory.complete(step, Status.OK)
+    directory.complete_many((step for chain in plan.chains for step in chain), Status.OK)
+    directory.complete_many(directory.take_garbage(), Status.OK)
 
 
 @dataclass

@@ -57,8 +57,12 @@ class InFlight:
         return pending
 
     def report(self, completions: dict[int, tuple[Status, int]]) -> list[Pending]:
-        """Ranks' reports of steps (step id -> (worst status, ranks reporting)); the plans now done."""
+        """Ranks' reports of steps (step id -> (worst status, ranks reporting)); the plans now done. The steps
+        complete in the order reported, in batches of one status (`Directory.complete_many`), each batch before
+        the end of a plan."""
         done: list[Pending] = []
+        batch: list[Step] = []
+        batch_status = Status.OK
         for step_id, (status, reports) in completions.items():
             plan_id = self._plan_of_step.get(step_id)
             if plan_id is None:
@@ -68,15 +72,22 @@ class InFlight:
             pending.statuses[step_id] = worst(pending.statuses.get(step_id, Status.OK), status)
             if pending.reports[step_id] < self.world_size:
                 continue  # a block is only whole once every rank has its shard: the worst status counts
-            self.directory.complete(pending.steps.pop(step_id), pending.statuses.pop(step_id))
+            step, step_status = pending.steps.pop(step_id), pending.statuses.pop(step_id)
+            if step_status is not batch_status:
+                self.directory.complete_many(batch, batch_status)
+                batch, batch_status = [], step_status
+            batch.append(step)
             del self._plan_of_step[step_id]
             if not pending.steps:
+                self.directory.complete_many(batch, batch_status)
+                batch = []
                 del self._pending[plan_id]
                 if pending.kind == "load":
                     self.directory.finish_load(pending.plan)
                 elif pending.kind == "store":
                     self.stores -= 1
                 done.append(pending)
+        self.directory.complete_many(batch, batch_status)
         return done
 
     def busy(self) -> bool:
