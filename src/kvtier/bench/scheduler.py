@@ -28,7 +28,7 @@ from kvtier.timing import alternate, fresh_keys
 BLOCK_TOKENS = 16
 PROMPTS = {"32k": 32 * 1024, "128k": 128 * 1024}
 TARGET = 0.25
-GC_BLOCKS = 100_000  # the directory of `gc_pause`: a 200 GiB host tier of Llama-3.1-8B's 16-token blocks
+GC_BLOCKS = 100_000  # the directory of `collector`: a 200 GiB host tier of Llama-3.1-8B's 16-token blocks
 
 
 def vllm_hashing(n_tokens: int) -> Callable[[], float]:

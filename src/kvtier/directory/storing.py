@@ -6,8 +6,8 @@ first-tier copy from the caller's bytes (a promotion off the request's path). Wi
 block of the chain that has a first-tier copy is offered to it, parents first, until its admission refuses.
 
 The common case of a long prompt's store, a run of new blocks that the first tier admits as they are and has
-free room for, with nothing written through, is planned as one run (`_run`): what the per-block path would
-plan, in bulk.
+room for (free, or made by evictions found in one walk), with nothing written through, is planned as one run
+(`_run`): what the per-block path would plan, in bulk.
 """
 
 from __future__ import annotations
@@ -135,8 +135,10 @@ class StorePlanner:
         rest, blocks, retiring = keys[i:], table.blocks, table.retiring
         if not blocks.keys().isdisjoint(rest) or not retiring.keys().isdisjoint(rest) or len(set(rest)) < n:
             return []
+        if take < n and not first.slotted:  # a file's eviction adds a step to the chain
+            return []
         victims = self.room.victims(first, n - take) if take < n else []
-        if victims is None or (victims and not first.slotted):  # a file's eviction adds a step to the chain
+        if victims is None:
             return []
         slots: Sequence[int | None] = [None] * n
         if first.slotted:  # as many `pop()`s would give them: the free slots, then each victim's as it leaves
