@@ -381,3 +381,22 @@ def test_the_decision_recomputes_what_a_slow_disk_would_serve_late(engines, tiny
     assert found["prometheus"]['kvtier_load_decisions_total{decision="recompute",tier="disk"}'] == \
         decisions["disk|recompute"]
     exact_by_cached_length(found["requests"])
+
+
+def test_the_vllm_benchs_engines_serve_its_steps_and_a_failed_one_says_why(tiny_model, tmp_path):
+    """`kvtier bench --vllm`'s engine processes: a restore comes back from the host tier, a batch of unique prompts
+    is timed one by one, and an engine that cannot start fails the bench with its name and its log's last lines."""
+    from kvtier.bench.vllm_process import PROMPT, Engine
+    from kvtier.rollout.server import temp_env
+
+    env = temp_env(str(tmp_path))
+    with Engine("host", tiny_model, {"cpu_bytes_to_use": 64 << 20, "load_policy": "always"}, tmp_path, env) as host, \
+            Engine("broken", tiny_model, {"cpu_bytes_to_use": "lots"}, tmp_path, env) as broken:
+        with pytest.raises(RuntimeError, match=r"(?s)engine 'broken' exited with [1-9].*cpu_bytes_to_use"):
+            broken.ready()
+        host.ready()
+        rep = host.ask("restore", 0)
+        assert rep["restored_cached"] >= PROMPT - 128  # every whole engine block of the prompt, from host
+        assert rep["restored"] < rep["cold"]
+        ttfts = host.ask("unique", 0, 2)
+        assert len(ttfts) == 2 and all(t > 0 for t in ttfts)
