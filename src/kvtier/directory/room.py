@@ -8,7 +8,7 @@ moves its old bytes out (the victim's demotion comes first in the same chain).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from collections.abc import Set as AbstractSet
 from typing import cast
 
@@ -170,6 +170,23 @@ class Room:
             chain.append(self.ledger.delete(tier.name, block.key))  # its bytes go to the incoming block
         if not block.copies and block.key in self.table.blocks:
             self.table.drop(block)
+
+    def drop_victims(self, tier: Tier, victims: Sequence[Block]) -> None:
+        """`evict` of each of `victims`, in turn, as `victims` found them (a slotted tier whose evictions are
+        dropped), without what the general case needs: each victim's slot freed, and a victim with no copy left
+        out of the table (a leaf by then: its children left before it)."""
+        name, evicted, table = tier.name, tier.policy.evicted, self.table
+        announce, free_slots, blocks = table.announce, tier.free_slots, table.blocks
+        for block in victims:
+            slot = block.copies.pop(name).slot
+            assert slot is not None, f"drop_victims: {name} is not a slotted tier"
+            evicted(block.key)
+            announce(block.key, name, False)
+            free_slots.append(slot)
+            if not block.copies and block.key in blocks:
+                table.drop_leaf(block)
+        tier.used_blocks -= len(victims)
+        self.stats.evictions[(name, "capacity")] += len(victims)
 
     def copy_down(
         self, block: Block, src: Tier, dst: Tier, chain: list[Step], src_slot: int | None = None,

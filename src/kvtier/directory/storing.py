@@ -145,8 +145,7 @@ class StorePlanner:
             free_slots = first.free_slots
             taken = free_slots[: -take - 1 : -1]
             del free_slots[len(free_slots) - take :]
-            for victim in victims:
-                self.room.evict(first, victim, [], reason="capacity")
+            self.room.drop_victims(first, victims)
             made = free_slots[len(free_slots) - len(victims) :]
             del free_slots[len(free_slots) - len(victims) :]
             slots = taken + made

@@ -101,6 +101,18 @@ class BlockTable:
             self.retiring[b.key] = b
             self.release_idle(b)
 
+    def drop_leaf(self, block: Block) -> None:
+        """`drop` of a block that holds no copy, pin or child any more: what `drop` comes to for it."""
+        if block.children is not None or block.pins:
+            self.drop(block)
+            return
+        del self.blocks[block.key]
+        self.sightings.sight(block.key, block.seen)
+        self.announce(block.key, None, False)
+        if block.parent is not None and (parent := self.blocks.get(block.parent)) is not None:
+            parent.remove_child(block.key)
+        block.retiring = True
+
     def release_idle(self, block: Block) -> None:
         """Free the copies of a dropped block that no transfer touches; it retires once none is left."""
         for name in list(block.copies):
