@@ -52,23 +52,27 @@ SLOW = ("off", "auto", "always")  # off: the slow-disk figures' recompute
 
 def _configs(root: Path, redis_url: str) -> dict[str, tuple[dict | None, bool]]:
     """Each engine's kvtier config (None: kvtier off) and whether its disk reads can be slowed."""
+    tier_bytes = 256 * (BLOCK_NBYTES + 4096)
+
     def disk(name: str, **more: Any) -> dict:  # a disk tier of the engine's own
-        return {"type": "fs", "root_dir": str(root / f"kv-{name}"), "max_bytes": 256 * (BLOCK_NBYTES + 4096), **more}
+        return {"type": "fs", "root_dir": str(root / f"kv-{name}"), "max_bytes": tier_bytes, **more}
+
+    def below(policy: str, tier: dict) -> dict:  # 16 host slots: the fillers push a prompt down to `tier`
+        return {"cpu_bytes_to_use": 16 * BLOCK_NBYTES, "load_policy": policy, "secondary_tiers": [tier]}
 
     every = {"min_sightings": 1}  # the disk paths themselves: every eviction goes down
-    small = {"cpu_bytes_to_use": 16 * BLOCK_NBYTES}  # 16 host slots: the fillers push a prompt down to disk
-    shared = {"type": "redis", "url": redis_url, "max_bytes": 256 * (BLOCK_NBYTES + 4096),
+    shared = {"type": "redis", "url": redis_url, "max_bytes": tier_bytes,
               "trusted_network": True}  # the bench's own server, on loopback: unsigned, as measured before
     # The restore paths themselves load every block found (the decision would skip a disk slower than
     # recomputing; the slow-disk figures measure it)
     return {
         "off": (None, True),
         "host": ({"cpu_bytes_to_use": 256 << 20, "load_policy": "always"}, False),
-        "disk": ({**small, "load_policy": "always", "secondary_tiers": [disk("disk", admission=every)]}, False),
-        "disk_default": ({**small, "load_policy": "always", "secondary_tiers": [disk("disk_default")]}, False),
-        "redis": ({**small, "load_policy": "always", "secondary_tiers": [shared]}, False),
-        "auto": ({**small, "load_policy": "auto", "secondary_tiers": [disk("auto", admission=every)]}, True),
-        "always": ({**small, "load_policy": "always", "secondary_tiers": [disk("always", admission=every)]}, True),
+        "disk": (below("always", disk("disk", admission=every)), False),
+        "disk_default": (below("always", disk("disk_default")), False),
+        "redis": (below("always", shared), False),
+        "auto": (below("auto", disk("auto", admission=every)), True),
+        "always": (below("always", disk("always", admission=every)), True),
     }
 
 

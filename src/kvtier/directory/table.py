@@ -88,10 +88,7 @@ class BlockTable:
             b = stack.pop()
             if self.blocks.pop(b.key, None) is None:
                 continue
-            self.sightings.sight(b.key, b.seen)  # when it comes back, "the second sighting" counts what it was seen
-            self.announce(b.key, None, False)
-            if b.parent is not None and (parent := self.blocks.get(b.parent)) is not None:
-                parent.remove_child(b.key)
+            self._unlinked(b)
             if b.children is not None:
                 stack.extend(self.blocks[k] for k in b.child_keys() if k in self.blocks)
                 b.children = None
@@ -107,11 +104,15 @@ class BlockTable:
             self.drop(block)
             return
         del self.blocks[block.key]
-        self.sightings.sight(block.key, block.seen)
+        self._unlinked(block)
+        block.retiring = True
+
+    def _unlinked(self, block: Block) -> None:
+        """`block` just left `blocks`: its sightings kept, its leaving announced, its parent no longer its parent."""
+        self.sightings.sight(block.key, block.seen)  # when it comes back, "the second sighting" counts them
         self.announce(block.key, None, False)
         if block.parent is not None and (parent := self.blocks.get(block.parent)) is not None:
             parent.remove_child(block.key)
-        block.retiring = True
 
     def release_idle(self, block: Block) -> None:
         """Free the copies of a dropped block that no transfer touches; it retires once none is left."""
