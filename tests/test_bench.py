@@ -12,15 +12,18 @@ def test_bench_quick_writes_every_figure(tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench", "--quick", "--json", str(out), "--root", str(tmp_path / "disk")]) == 0
     result = json.loads(out.read_text())
-    for name in ("host_vs_copy", "disk_write_vs_raw", "disk_read_vs_raw", "lookup_keys_per_s"):
+    for name in ("host_vs_copy", "disk_write_vs_raw", "disk_write_full_vs_raw", "disk_read_vs_raw",
+                 "lookup_keys_per_s"):
         assert isinstance(result[name], (int, float)) and result[name] > 0, name
+    disk = result["disk"]  # every full write took the files of the blocks it deleted (the warm-up's too)
+    assert disk["files_reused"] == disk["blocks"] * (len(disk["write_full"]["ours_gbps_runs"]) + 1)
     assert len(result["host_vs_copy_by_size"]) == 3  # 256 KiB, 1 MiB, 4 MiB blocks
     pages = result["engine_pages"]  # the tiny model's pages and Llama-3.1-8B's, each also as per-part copies
     assert [case["parts_per_block"] for case in pages] == [16, 1024]
     assert result["engine_pages_vs_copy"] == min(case["ratio"] for case in pages) > 0
     assert all(case["parts"]["ratio"] > 0 and case["parts"]["bytes"] == case["bytes"] for case in pages)
-    assert set(result["targets"]) == {"host_vs_copy", "disk_write_vs_raw", "disk_read_vs_raw", "lookup_keys_per_s",
-                                      "redis_vs_raw", "redis_cluster_vs_raw"}
+    assert set(result["targets"]) == {"host_vs_copy", "disk_write_vs_raw", "disk_write_full_vs_raw", "disk_read_vs_raw",
+                                      "lookup_keys_per_s", "redis_vs_raw", "redis_cluster_vs_raw"}
     assert result["redis_vs_raw"] == result["redis"]["min_ratio"] == min(
         min(statistics.median(c["put_ratio_runs"]), statistics.median(c["get_ratio_runs"]))
         for c in result["redis"]["redis_vs_raw"].values())

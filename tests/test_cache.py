@@ -161,15 +161,26 @@ def test_tiers_stay_within_bytes_under_pressure(tmp_path):
     config = make_config(tmp_path, 6, 10)
     with TieredCache(config, SHAPE, torch.bfloat16, model="test") as cache:
         disk = cache.stores["disk"]
+        stored = {}
         for r in range(12):
-            keys = keys_for(4, salt=r)
-            cache.store(keys, random_blocks(4, seed=r))
+            keys, blocks = keys_for(4, salt=r), random_blocks(4, seed=r)
+            stored.update(zip(keys, blocks))
+            cache.store(keys, blocks)
             cache.flush()
             snap = cache.snapshot()["tiers"]
             assert snap["host"]["used_bytes"] <= snap["host"]["capacity_bytes"]
             assert snap["disk"]["used_bytes"] <= snap["disk"]["capacity_bytes"]
             assert disk.used_bytes() <= config.secondary_tiers[0].max_bytes
         assert cache.snapshot()["orphan_blocks"] == 0
+        assert disk.files_reused > 0, "the full disk tier wrote over the files of the blocks it evicted"
+        assert disk.used_bytes() == disk.footprint * cache.directory.tier["disk"].used_blocks, "no spare is left"
+        served = 0
+        for key in [key for key in cache.directory.keys_in("disk") if "host" not in cache.directory.residency(key)]:
+            if cache.directory.residency(key):  # an earlier load's promotion may have evicted it since
+                got = cache.load([key])
+                assert len(got) == 1 and same_bytes(got[0], stored[key])
+                served += 1
+        assert served, "blocks written over reused files are served as they were stored"
 
 
 def test_prometheus_families(tmp_path):

@@ -268,6 +268,58 @@ def test_failed_write_leaves_no_temp_file(tmp_path: Path, o_direct: bool) -> Non
     assert read_all(store, ks)[0] == [ReadStatus.OK]
 
 
+def files_of(store: DiskStore) -> list[Path]:
+    return sorted(p for p in store.dir.rglob("*") if p.is_file() and p.name != ".lock")
+
+
+def test_a_full_tiers_write_takes_the_file_of_the_block_it_deleted(tmp_path: Path, o_direct: bool) -> None:
+    store, ks, data = filled(tmp_path, o_direct, n=3)
+    inode = block_path(store, ks[2]).stat().st_ino
+    fresh = kv_blocks(2, torch.float32, seed=9).view(2, -1).view(torch.uint8)
+    new = [b"\x31" * 32, b"\x32" * 32]
+    with store.reusing():
+        assert store.delete(ks[2])
+        assert [p.suffix for p in files_of(store)].count(".spare") == 1  # set aside, not removed
+        store.write(new[0], ks[1], fresh[0])  # takes the spare: renamed into place, overwritten whole
+        assert store.delete(ks[1]) and not store.delete(ks[1])
+    assert store.files_reused == 1
+    assert block_path(store, new[0]).stat().st_ino == inode
+    assert len(files_of(store)) == 2 and store.used_bytes() == 2 * store.footprint, "the unused spare is removed"
+    statuses, outs = read_all(store, [ks[0], ks[1], ks[2], new[0]])
+    assert statuses == [ReadStatus.OK, ReadStatus.MISSING, ReadStatus.MISSING, ReadStatus.OK]
+    assert torch.equal(outs[3], fresh[0]) and same_bits(outs[0].view(torch.float32).view(SHAPE), data[0])
+    store.delete(new[0])  # outside `reusing`: removed at once, and a write makes a new file
+    store.write(new[1], ks[0], fresh[1])
+    assert store.files_reused == 1 and not [p for p in files_of(store) if p.suffix == ".spare"]
+    assert store.scan()[0] and len(files_of(store)) == 2
+
+
+def test_a_failed_write_over_a_spare_leaves_neither(tmp_path: Path, o_direct: bool) -> None:
+    store, ks, _ = filled(tmp_path, o_direct, n=2)
+    key = b"\x07" * 32
+    block_path(store, key).mkdir(parents=True)  # the final rename cannot replace a directory
+    with store.reusing():
+        assert store.delete(ks[1])
+        with pytest.raises(OSError):
+            store.write(key, ks[0], torch.zeros(store.payload_nbytes, dtype=torch.uint8))
+        assert not [p for p in files_of(store) if p.suffix in (".spare", ".tmp")]
+    assert store.files_reused == 0 and [p.name for p in files_of(store)] == [file_name(ks[0])]
+    assert read_all(store, ks[:1])[0] == [ReadStatus.OK]
+
+
+def test_a_spare_left_by_a_crash_is_removed_at_restart(tmp_path: Path, o_direct: bool) -> None:
+    store, ks, _ = filled(tmp_path, o_direct, n=2)
+    spares = store.reusing()
+    spares.__enter__()
+    assert store.delete(ks[1])  # the process dies here, its spare on disk
+    store.close()
+    restarted = DiskStore(tmp_path / "root", NS, 0, store.payload_nbytes, o_direct=o_direct)
+    assert restarted.used_bytes() == 2 * store.footprint, "a spare counts against the tier"
+    blocks, removed = restarted.scan()
+    assert [b.key for b in blocks] == ks[:1] and removed["temp"] == 1
+    assert restarted.used_bytes() == restarted.footprint
+
+
 @pytest.mark.parametrize("payload", [4 * 4096, 5000])  # straight from slots, and through bounce buffers
 def test_many_threads_share_one_store(tmp_path: Path, o_direct: bool, payload: int) -> None:
     n = 64

@@ -1,6 +1,7 @@
-"""`disk_write_vs_raw` / `disk_read_vs_raw`: the disk tier, driven through a Mover wired as TieredCache wires
-it (host slab, DiskStore, the fs tier's configured thread counts), against one file written and read
-sequentially with O_DIRECT in large chunks (fsync after the write) on the same file system.
+"""`disk_write_vs_raw` / `disk_read_vs_raw` / `disk_write_full_vs_raw`: the disk tier, driven through a Mover
+wired as TieredCache wires it (host slab, DiskStore, the fs tier's configured thread counts), against one file
+written and read sequentially with O_DIRECT in large chunks (fsync after the write) on the same file system.
+The full tier's write is the steady state of a serving disk tier: every block written evicts one.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kvtier.config import FsTierConfig, parse_config
-from kvtier.directory import Op, Plan, Status, Step
+from kvtier.directory import CALLER, Op, Plan, Status, Step
 from kvtier.keys import Namespace
 from kvtier.layout import ALIGN, round_up
 from kvtier.metrics import Metrics
@@ -35,15 +36,16 @@ RAW_CHUNK = 8 * MiB  # the raw baseline's I/O size
 
 
 def disk_case(workdir: Path, block_bytes: int, total: int, reps: int, tick: Callable[[], None]) -> dict:
-    """Host->disk and disk->host COPY steps through the Mover, against one raw O_DIRECT file.
+    """Host->disk and disk->host COPY steps through the Mover, against one raw O_DIRECT file; then, as a full
+    tier stores, each block's COPY after the DELETE of one read before, against a second raw file.
 
-    Every round writes new files (new keys, a new raw file); nothing is deleted until the end, so that no
+    Every round writes new files (new keys, new raw files); nothing is unlinked until the end, so that no
     round pays for an earlier round's deletes (see benchmarks/README.md: on ext4 without a journal, every
     create steps over the inodes deleted in the last minute or more).
     """
     n = max(1, total // block_bytes)
     nbytes = n * block_bytes
-    need = 2 * (reps + 1) * n * (block_bytes + 2 * ALIGN)
+    need = 3 * (reps + 1) * n * (block_bytes + 2 * ALIGN)
     free = shutil.disk_usage(workdir).free
     if free < need + GiB:
         raise ValueError(f"disk bench needs {need / GiB:.1f} GiB free under {workdir}, has {free / GiB:.1f} GiB")
@@ -70,15 +72,18 @@ def disk_case(workdir: Path, block_bytes: int, total: int, reps: int, tick: Call
     baseline = _RawFiles(raw_dir, data)
     written: list[list[bytes]] = []
 
-    def expect_ok(what: str) -> None:
-        if statuses[Status.OK] != n or len(statuses) != 1:
-            raise RuntimeError(f"disk bench {what}: {dict(statuses)} of {n} steps")
+    def expect_ok(what: str, steps: int) -> None:
+        if statuses[Status.OK] != steps or len(statuses) != 1:
+            raise RuntimeError(f"disk bench {what}: {dict(statuses)} of {steps} steps")
         statuses.clear()
 
-    def ours_write() -> float:
+    def ours_write(evicting: Sequence[bytes] = ()) -> float:
+        """New blocks; each after the DELETE of the block of `evicting` at its index, where given."""
         keys = fresh_keys(n)
         chains = [[Step(Op.COPY, key, HOST, "disk", src_slot=i, parent=keys[i - 1] if i else None)]
                   for i, key in enumerate(keys)]
+        for chain, victim in zip(chains, evicting):
+            chain.insert(0, Step(Op.DELETE, victim, "disk", CALLER))
         if not mover.reserve_store():
             raise RuntimeError("disk bench: the mover's store queue is full")
         os.sync()  # every timed phase starts with nothing of the other side's left to write back
@@ -86,7 +91,7 @@ def disk_case(workdir: Path, block_bytes: int, total: int, reps: int, tick: Call
         mover.store(Plan(chains=chains), [])
         mover.flush()
         elapsed = time.perf_counter() - start
-        expect_ok("write")
+        expect_ok("write", n + len(evicting))
         written.append(keys)
         return elapsed
 
@@ -98,35 +103,38 @@ def disk_case(workdir: Path, block_bytes: int, total: int, reps: int, tick: Call
         start = time.perf_counter()
         mover.load(Plan(chains=chains), [])
         elapsed = time.perf_counter() - start
-        expect_ok("read")
+        expect_ok("read", n)
         back = torch.empty_like(data)
         slab.read(range(n, 2 * n), back)
         if not torch.equal(back, data):
             raise RuntimeError("disk bench: a block read back differs from the one written")
         return elapsed
 
-    def ours() -> tuple[float, float]:
-        return ours_write(), ours_read()
+    def ours() -> tuple[float, float, float]:
+        fresh, read = ours_write(), ours_read()
+        return fresh, read, ours_write(evicting=written[-1])
 
-    def raw() -> tuple[float, float]:
-        return baseline.write(), baseline.read()
+    def raw() -> tuple[float, float, float]:
+        return baseline.write(), baseline.read(), baseline.write()
 
     try:
-        times = alternate(ours, raw, reps, tick, budget_s=2 * BUDGET_S)  # (write, read) seconds per side
+        times = alternate(ours, raw, reps, tick, budget_s=2 * BUDGET_S)  # (write, read, full write) s per side
     finally:
         mover.close()
         disk.close()
         slab.close()
-    write, read = ({side: [t[i] for t in times[side]] for side in times} for i in (0, 1))
+    write, read, full = ({side: [t[i] for t in times[side]] for side in times} for i in (0, 1, 2))
     return {
         "block_bytes": block_bytes, "blocks": n,
-        "write": summary(write, nbytes), "read": summary(read, nbytes),
+        "write": summary(write, nbytes), "read": summary(read, nbytes), "write_full": summary(full, nbytes),
+        "files_reused": disk.files_reused,
         "n_write_threads": fs.n_write_threads, "n_read_threads": fs.n_read_threads,
         "tier_o_direct": disk.direct, "raw_o_direct": baseline.direct, "raw_chunk_bytes": RAW_CHUNK,
         "file_system_dir": str(workdir),
         "notes": "reads are cold: O_DIRECT bypasses the page cache (when tier_o_direct and raw_o_direct are "
                  "true). The tier writes one file per block (temp file + rename, no fsync, as DiskStore does); "
-                 "the raw baseline writes one file and fsyncs it.",
+                 "the raw baseline writes one file and fsyncs it. write_full: a full tier, each block written "
+                 "after the delete of one read before, whose file it takes (DiskStore.reusing).",
     }
 
 

@@ -31,7 +31,7 @@ def print_tiers(console: Console, result: dict) -> None:
             case["ratio"], "", None)
         row(f"  as {case['parts_per_block']} parts", f"{case['parts']['ours_gbps']:.2f} GB/s",
             f"{case['parts']['baseline_gbps']:.2f} GB/s", case["parts"]["ratio"], "", None)
-    for side in ("write", "read"):
+    for side in ("write", "write_full", "read"):
         case, name = result["disk"][side], f"disk_{side}_vs_raw"
         row(name, f"{case['ours_gbps']:.2f} GB/s", f"{case['baseline_gbps']:.2f} GB/s", case["ratio"],
             f"≥ {t[name]['target']}", t[name]["met"])

@@ -24,6 +24,7 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -329,6 +330,25 @@ class Mover:
 
     def _run_chain(
         self, chain: list[Step], io: CallerIO, delivered: list[bool] | None = None, failed: set[bytes] | None = None,
+    ) -> None:
+        """A chain's steps in order. Where it deletes from a disk tier to make room for a block it writes there,
+        it runs inside that store's `reusing()`: the deleted block's file becomes the written one's."""
+        reused = self._reused(chain)
+        if not reused:
+            return self._run_steps(chain, io, delivered, failed)
+        with ExitStack() as stack:
+            for name in reused:
+                stack.enter_context(self.stores.local[name].reusing())
+            self._run_steps(chain, io, delivered, failed)
+
+    def _reused(self, chain: list[Step]) -> set[str]:
+        deleted = {step.src for step in chain if step.op is Op.DELETE}
+        if not deleted:
+            return deleted
+        return deleted & {step.dst for step in chain if step.op is Op.COPY} & self.stores.local.keys()
+
+    def _run_steps(
+        self, chain: list[Step], io: CallerIO, delivered: list[bool] | None, failed: set[bytes] | None,
     ) -> None:
         if failed is None:
             failed = set()  # keys whose bytes did not arrive where later steps of the chain read them

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -126,6 +127,10 @@ class LocalStore(ObjectStore, Protocol):
 
     def remove_other_namespaces(self, keep: Collection[str]) -> list[str]:
         """Remove what namespaces other than `keep` left where this store keeps its own; the names removed."""
+        ...
+
+    def reusing(self) -> AbstractContextManager[None]:
+        """Within it, what this thread deletes makes room for what it writes next (a full tier's store)."""
         ...
 
 

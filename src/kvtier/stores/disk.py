@@ -6,6 +6,10 @@ straight from and into a HostSlab slot. Writes go to a temp file that is renamed
 never see half a block; a torn, flipped or foreign file is detected (and removed) instead of served. No
 fsync: after a crash a torn file is just a miss.
 
+A full tier deletes a block for each one it writes. Inside `reusing()`, the deleted block's file becomes the
+written block's (renamed aside as a `.spare`, overwritten, renamed into place): no inode to create and no
+extent to allocate, and on ext4 no create stepping over the inodes deleted in the last minute.
+
 We never follow a symlink under the root: every path is opened relative to a directory fd with O_NOFOLLOW,
 and a link found anywhere is foreign junk: the link itself is removed, never its target.
 """
@@ -23,6 +27,7 @@ import shutil
 import stat
 import threading
 from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import xxhash
@@ -33,10 +38,13 @@ from kvtier.stores.base import ReadStatus, RecoveredBlock
 from kvtier.stores.blockformat import Header, check_key, parse_header
 from kvtier.stores.buffers import Buffer, aligned, byte_view
 from kvtier.stores.claim import RANK_LOCK, claim, hold_rank, rank_served, release
-from kvtier.stores.files import DIR, DIRECT, RD, WR, file_name, open_private_dir, subdir, transfer
+from kvtier.stores.files import DIR, DIRECT, RD, REUSE, WR, file_name, open_private_dir, subdir, transfer
 
 HEADER_NBYTES = DISK_HEADER_NBYTES  # blockformat's header, zero-padded to the O_DIRECT alignment
+SPARE = ".spare"  # a deleted block's file, kept for the next write inside `reusing()`
 log = logging.getLogger(__name__)
+
+
 def rank_visible(root_dir: str | Path, namespace: str, rank: int) -> bool:
     """Whether a store of this rank is open on this file system (`kvtier.stores.claim.rank_served`): false
     when the rank's worker runs on another machine, whose files this process cannot see."""
@@ -70,6 +78,8 @@ class DiskStore:
         self.padded_nbytes = round_up(payload_nbytes)
         self.direct = bool(o_direct and DIRECT)  # becomes False if the file system refuses O_DIRECT
         self._local = threading.local()
+        self._reused = threading.Lock()
+        self.files_reused = 0  # writes that took a deleted block's file (`reusing`)
         self.dir = self.root / namespace / str(rank)
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._owner = owner
@@ -174,8 +184,8 @@ class DiskStore:
         return os.open(name, flags, 0o600, dir_fd=dir_fd), False
 
     def write(self, key: bytes, parent: bytes | None, src: Buffer) -> None:
-        """Store `src` (payload_nbytes: a slot's memoryview, or a CPU uint8 tensor) as block `key`; atomic: temp
-        file, then rename."""
+        """Store `src` (payload_nbytes: a slot's memoryview, or a CPU uint8 tensor) as block `key`; atomic: a
+        temp file (or a spare, inside `reusing()`), then a rename."""
         check_key(key)
         if parent is not None:
             check_key(parent, "parent")
@@ -183,33 +193,69 @@ class DiskStore:
         name = file_name(key)
         sub = self._opensubdir(name, create=True)
         assert sub is not None
-        tmp = f"{name[:-3]}.{secrets.token_hex(8)}.tmp"
         try:
-            fd, direct = self._open_file(tmp, WR, sub)
+            spares = getattr(self._local, "spares", None)
+            if spares and self._write_spare(spares.pop(), name, sub, key, parent, payload):
+                return
+            tmp = f"{name[:-3]}.{secrets.token_hex(8)}.tmp"
             try:
-                header = self._header_buf()
-                self._pack_header(header, key, parent, payload)
-                pad = memoryview(bytes(self.padded_nbytes - self.payload_nbytes))
-                if not direct or aligned(payload):
-                    bufs = [header, payload, pad]  # O_DIRECT straight from the caller's (slot) buffer
-                else:
-                    bounce = self._bounce()
-                    bounce[:HEADER_NBYTES] = header
-                    bounce[HEADER_NBYTES : HEADER_NBYTES + self.payload_nbytes] = payload
-                    bounce[HEADER_NBYTES + self.payload_nbytes :] = pad
-                    bufs = [bounce]
-                written = transfer(os.pwritev, fd, bufs)
-                if written != self.footprint:
-                    raise OSError(errno.EIO, f"short write of {tmp}: {written} of {self.footprint} bytes")
-            finally:
-                os.close(fd)
-            os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=sub)
-            raise
+                fd, direct = self._open_file(tmp, WR, sub)
+                try:
+                    self._fill(fd, direct, tmp, key, parent, payload)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=sub)
+                raise
         finally:
             os.close(sub)
+
+    def _write_spare(self, spare: tuple[str, str], name: str, sub: int, key: bytes, parent: bytes | None,
+                     payload: memoryview) -> bool:
+        """Write the block over a spare (a deleted block's whole file) and rename it into place; False if the
+        spare is gone (then a new file is written). A failure removes the spare."""
+        spare_dir, spare_name = spare
+        try:
+            dir_fd = os.open(spare_dir, DIR, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            return False
+        try:
+            fd, direct = self._open_file(spare_name, REUSE, dir_fd)
+            try:
+                self._fill(fd, direct, spare_name, key, parent, payload)
+            finally:
+                os.close(fd)
+            os.replace(spare_name, name, src_dir_fd=dir_fd, dst_dir_fd=sub)
+            with self._reused:
+                self.files_reused += 1
+            return True
+        except FileNotFoundError:
+            return False
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(spare_name, dir_fd=dir_fd)
+            raise
+        finally:
+            os.close(dir_fd)
+
+    def _fill(self, fd: int, direct: bool, file: str, key: bytes, parent: bytes | None, payload: memoryview) -> None:
+        """Header, payload and padding from offset 0: the whole footprint, so nothing of a spare's old block is left."""
+        header = self._header_buf()
+        self._pack_header(header, key, parent, payload)
+        pad = memoryview(bytes(self.padded_nbytes - self.payload_nbytes))
+        if not direct or aligned(payload):
+            bufs = [header, payload, pad]  # O_DIRECT straight from the caller's (slot) buffer
+        else:
+            bounce = self._bounce()
+            bounce[:HEADER_NBYTES] = header
+            bounce[HEADER_NBYTES : HEADER_NBYTES + self.payload_nbytes] = payload
+            bounce[HEADER_NBYTES + self.payload_nbytes :] = pad
+            bufs = [bounce]
+        written = transfer(os.pwritev, fd, bufs)
+        if written != self.footprint:
+            raise OSError(errno.EIO, f"short write of {file}: {written} of {self.footprint} bytes")
 
     def read(self, key: bytes, into: Buffer) -> ReadStatus:
         """Read block `key` into `into` (writable, payload_nbytes). Anything but OK leaves `into` undefined.
@@ -295,8 +341,42 @@ class DiskStore:
         return self._in_subdir(key, regular)
 
     def delete(self, key: bytes) -> bool:
-        """Remove block `key`; True if a file was removed, False if there was none."""
-        return self._in_subdir(key, lambda name, sub: self._remove(name, sub, None))
+        """Remove block `key`; True if a file was removed, False if there was none. Inside `reusing()`, a whole
+        block file is kept as a spare for this thread's next write instead."""
+        spares = getattr(self._local, "spares", None)
+        if spares is None:
+            return self._in_subdir(key, lambda name, sub: self._remove(name, sub, None))
+        return self._in_subdir(key, lambda name, sub: self._retire(name, sub, spares))
+
+    def _retire(self, name: str, sub: int, spares: list[tuple[str, str]]) -> bool:
+        st = os.stat(name, dir_fd=sub, follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode) and st.st_size == self.footprint:
+            spare = f"{secrets.token_hex(8)}{SPARE}"
+            with contextlib.suppress(OSError):
+                os.rename(name, spare, src_dir_fd=sub, dst_dir_fd=sub)
+                spares.append((subdir(name), spare))
+                return True
+        return self._remove(name, sub, None)
+
+    @contextmanager
+    def reusing(self) -> Iterator[None]:
+        """Within it, a file this thread deletes goes to the next block this thread writes: the directory gave
+        the deleted block's bytes to that block (a full tier evicts to make room for a store). One left over at
+        the end is removed, so files never outnumber the blocks the directory counts."""
+        outer = getattr(self._local, "spares", None)
+        spares: list[tuple[str, str]] = []
+        self._local.spares = spares
+        try:
+            yield
+        finally:
+            self._local.spares = outer
+            for spare_dir, spare in spares:
+                with contextlib.suppress(OSError):
+                    dir_fd = os.open(spare_dir, DIR, dir_fd=self._dir_fd)
+                    try:
+                        os.unlink(spare, dir_fd=dir_fd)
+                    finally:
+                        os.close(dir_fd)
 
     def _in_subdir(self, key: bytes, do: Callable[[str, int], bool]) -> bool:
         """`do(file name, its subdirectory's fd)` for block `key`; False when there is no such file."""
@@ -347,7 +427,7 @@ class DiskStore:
                 continue
             if stat.S_ISLNK(st.st_mode):
                 reason: str | None = "symlink"
-            elif sub_name is not None and stat.S_ISREG(st.st_mode) and name.endswith(".tmp"):
+            elif sub_name is not None and stat.S_ISREG(st.st_mode) and name.endswith((".tmp", SPARE)):
                 reason = "temp"
             elif sub_name is None or not stat.S_ISREG(st.st_mode) or subdir(name) != sub_name:
                 reason = "foreign"  # not a file, or not where its name would put it
@@ -400,9 +480,9 @@ class DiskStore:
         return removed
 
     def used_bytes(self) -> int:
-        """Our block and temp files x footprint: what the directory's capacity accounting should see."""
+        """Our block, temp and spare files x footprint: what the directory's capacity accounting should see."""
         files = sum(
             1 for sub_name, _, name, st in self._entries()
-            if sub_name is not None and stat.S_ISREG(st.st_mode) and name.endswith((".kv", ".tmp"))
+            if sub_name is not None and stat.S_ISREG(st.st_mode) and name.endswith((".kv", ".tmp", SPARE))
         )
         return files * self.footprint

@@ -18,6 +18,7 @@ _LONG_KEY = 96  # longer keys get a hashed file name: 2 * 128 hex chars would pa
 DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 RD = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a planted FIFO cannot hang us
 WR = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+REUSE = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # over a spare: no create, no truncate
 DIRECT = getattr(os, "O_DIRECT", 0)
 
 
