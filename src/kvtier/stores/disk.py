@@ -370,7 +370,7 @@ class DiskStore:
             yield
         finally:
             self._local.spares = outer
-            for spare_dir, spare in spares:
+            for spare_dir, spare in spares if self._dir_fd is not None else ():  # closed: the restart scan removes them
                 with contextlib.suppress(OSError):
                     dir_fd = os.open(spare_dir, DIR, dir_fd=self._dir_fd)
                     try:
