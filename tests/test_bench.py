@@ -68,12 +68,21 @@ def test_the_weights_bench_measures_each_start_and_leaves_nothing(tmp_path):
 def test_scheduler_cost_is_measured_beside_vllms_hashing():
     """`kvtier.bench.scheduler` on a short prompt: both sides timed, stores and loads of the whole chain, with
     and without eviction."""
-    from kvtier.bench.scheduler import _case
+    from kvtier.bench.scheduler import _case, _Directory
 
     for evict in (False, True):
         case = _case(64 * 16, evict, rounds=1)
         assert case["blocks"] == 64 and case["evict"] is evict
         assert all(case[k] > 0 for k in ("store_ms", "load_ms", "store_vllm_hashing_ms", "store_ratio", "load_ratio"))
+    case = _case(64 * 16, True, rounds=1, demote=True)  # host + disk: the store, both tiers full
+    assert case["demote"] and case["store_ms"] > 0 and case["store_ratio"] > 0 and "load_ms" not in case
+    d = _Directory(64, True, rounds=1, demote=True)
+    stats = d.directory.stats
+    before = (stats.evictions[("host", "capacity")], stats.evictions[("disk", "capacity")],
+              stats.planned_moves[("host", "disk")])
+    d.store()  # each of its 64 blocks evicts one from host, demoted to disk, which evicts one
+    assert (stats.evictions[("host", "capacity")], stats.evictions[("disk", "capacity")],
+            stats.planned_moves[("host", "disk")]) == tuple(n + 64 for n in before)
 
 
 def test_the_collectors_cost_counts_the_directorys_objects_alone():

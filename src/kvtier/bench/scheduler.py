@@ -4,7 +4,8 @@ The connector plans on the scheduler thread: a request's lookup, its load plan (
 scheduled, its store plan (`plan_store`) when it finishes, and the completions the workers report back
 (`load`: lookup + plan_load + completions + finish_load; `store`: plan_store + completions). For
 a 32k- and a 128k-token prompt in 16-token blocks (vLLM's GPU block size), on a warm host tier, with and
-without eviction (a store into a full tier evicts as many blocks as it stores), each is timed and set beside
+without eviction (a store into a full tier evicts as many blocks as it stores), and for the store of host + disk
+(a full host tier demoting what it evicts to a full disk tier, which evicts as many), each is timed and set beside
 vLLM's own hashing of the same prompt, measured in the same run (`hash_block_tokens` with its default
 sha256, block by block as `get_request_block_hasher` does): a ratio, lower is better (target <= 0.25 for
 store and for load at 128k tokens). Medians of alternating rounds, spread kept. A row of `kvtier bench`:
@@ -29,6 +30,7 @@ BLOCK_TOKENS = 16
 PROMPTS = {"32k": 32 * 1024, "128k": 128 * 1024}
 TARGET = 0.25
 GC_BLOCKS = 100_000  # the directory of `collector`: a 200 GiB host tier of Llama-3.1-8B's 16-token blocks
+DISK_ROOM = 4  # the disk tier below host, in prompts
 
 
 def vllm_hashing(n_tokens: int) -> Callable[[], float]:
@@ -51,14 +53,19 @@ def vllm_hashing(n_tokens: int) -> Callable[[], float]:
 
 
 class _Directory:
-    """A warm host tier and the rounds that plan a request's store or load on it, completions included."""
+    """A warm host tier (and a disk tier below it, with `demote`) and the rounds that plan a request's store or
+    load on it, completions included."""
 
-    def __init__(self, blocks: int, evict: bool, rounds: int) -> None:
-        room = 2 * blocks if evict else (rounds + 3) * blocks
-        self.directory = Directory([TierSpec("host", room * ALIGN, ALIGN, kind=TierKind.HOST)])
+    def __init__(self, blocks: int, evict: bool, rounds: int, demote: bool = False) -> None:
+        room = 2 * blocks if evict or demote else (rounds + 3) * blocks
+        specs = [TierSpec("host", room * ALIGN, ALIGN, kind=TierKind.HOST)]
+        if demote:  # admitting all, as `min_sightings: 1` does
+            specs.append(TierSpec("disk", DISK_ROOM * blocks * ALIGN, ALIGN, kind=TierKind.DISK))
+            room += DISK_ROOM * blocks
+        self.directory = Directory(specs)
         self.blocks = blocks
-        while evict and len(self.directory) < room:  # full before the first round: a store evicts what it adds
-            others = fresh_keys(min(blocks, room - len(self.directory)))
+        while (evict or demote) and len(self.directory) < room:  # full before the first round: a store evicts
+            others = fresh_keys(min(blocks, room - len(self.directory)))  # as many as it adds (in each tier)
             complete_instantly(self.directory, self.directory.plan_store(others))
         self.loaded = fresh_keys(blocks)
         complete_instantly(self.directory, self.directory.plan_store(self.loaded))
@@ -81,12 +88,15 @@ class _Directory:
         return elapsed
 
 
-def _case(n_tokens: int, evict: bool, rounds: int, tick: Callable[[], None] = lambda: None) -> dict:
+def _case(n_tokens: int, evict: bool, rounds: int, tick: Callable[[], None] = lambda: None,
+          demote: bool = False) -> dict:
+    """One prompt's load and store on a host tier with room or evicting; with `demote`, the store of host + disk."""
     blocks = n_tokens // BLOCK_TOKENS
-    d = _Directory(blocks, evict, rounds)
+    d = _Directory(blocks, evict, rounds, demote)
     hashing = vllm_hashing(n_tokens)
-    figures: dict = {"tokens": n_tokens, "blocks": blocks, "evict": evict}
-    for name, ours in (("load", d.load), ("store", d.store)):  # loads first: stores that evict take the chain
+    figures: dict = {"tokens": n_tokens, "blocks": blocks, "evict": evict or demote, "demote": demote}
+    parts = [("store", d.store)] if demote else [("load", d.load), ("store", d.store)]  # a load: the same as evicting
+    for name, ours in parts:  # loads first: stores that evict take the chain
         pairs = alternate(ours, hashing, rounds, tick)
         ratios = [o / b for o, b in zip(pairs["ours_s"], pairs["baseline_s"])]
         figures[f"{name}_ms"] = round(statistics.median(pairs["ours_s"]) * 1e3, 2)
@@ -157,7 +167,7 @@ def round_count(quick: bool) -> int:
 
 def ticks(quick: bool) -> int:
     """How often `run` calls its `tick`: for a progress bar's total."""
-    return len(PROMPTS) * 2 * 2 * (round_count(quick) + 1) + 1
+    return (len(PROMPTS) * 2 * 2 + 1) * (round_count(quick) + 1) + 1
 
 
 def run(quick: bool = False, tick: Callable[[], None] = lambda: None) -> dict:
@@ -166,17 +176,19 @@ def run(quick: bool = False, tick: Callable[[], None] = lambda: None) -> dict:
     gc.disable()  # as timeit does: the plans' own cost; what the collector adds for their objects is `collector`
     try:
         cases = [_case(n, evict, round_count(quick), tick) for n in PROMPTS.values() for evict in (False, True)]
+        cases.append(_case(PROMPTS["128k"], True, round_count(quick), tick, demote=True))
     finally:
         if was_enabled:
             gc.enable()
     pause = collector(GC_BLOCKS // 4 if quick else GC_BLOCKS, stores=4 if quick else 12)
     tick()
     long = [c for c in cases if c["tokens"] == PROMPTS["128k"]]
-    worst = max(max(c["store_ratio"], c["load_ratio"]) for c in long)
+    worst = max(max(c["store_ratio"], c.get("load_ratio", 0.0)) for c in long)
     return {"block_tokens": BLOCK_TOKENS, "cases": cases, "scheduler_vs_vllm_hashing": worst, "target": TARGET,
             "collector": pause,
             "what": "lookup + plan_load / plan_store + every step's completion (kvtier.sim.instant_mover), warm host "
-                    "tier, against vLLM's hash_block_tokens (sha256) of the same prompt"}
+                    "tier (and a full disk tier below it: demote), against vLLM's hash_block_tokens (sha256) of the "
+                    "same prompt"}
 
 
 if __name__ == "__main__":
