@@ -198,17 +198,7 @@ class DiskStore:
             if spares and self._write_spare(spares.pop(), name, sub, key, parent, payload):
                 return
             tmp = f"{name[:-3]}.{secrets.token_hex(8)}.tmp"
-            try:
-                fd, direct = self._open_file(tmp, WR, sub)
-                try:
-                    self._fill(fd, direct, tmp, key, parent, payload)
-                finally:
-                    os.close(fd)
-                os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=sub)
-                raise
+            self._write_as(tmp, WR, sub, name, sub, key, parent, payload)
         finally:
             os.close(sub)
 
@@ -222,23 +212,30 @@ class DiskStore:
         except FileNotFoundError:
             return False
         try:
-            fd, direct = self._open_file(spare_name, REUSE, dir_fd)
-            try:
-                self._fill(fd, direct, spare_name, key, parent, payload)
-            finally:
-                os.close(fd)
-            os.replace(spare_name, name, src_dir_fd=dir_fd, dst_dir_fd=sub)
-            with self._reused:
-                self.files_reused += 1
-            return True
+            self._write_as(spare_name, REUSE, dir_fd, name, sub, key, parent, payload)
         except FileNotFoundError:
             return False
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(spare_name, dir_fd=dir_fd)
-            raise
         finally:
             os.close(dir_fd)
+        with self._reused:
+            self.files_reused += 1
+        return True
+
+    def _write_as(self, file: str, flags: int, file_dir: int, name: str, sub: int, key: bytes, parent: bytes | None,
+                  payload: memoryview) -> None:
+        """The block written into `file` (opened with `flags` in `file_dir`), then renamed to `name` in `sub`: whole
+        or not at all. A failure removes `file`."""
+        try:
+            fd, direct = self._open_file(file, flags, file_dir)
+            try:
+                self._fill(fd, direct, file, key, parent, payload)
+            finally:
+                os.close(fd)
+            os.replace(file, name, src_dir_fd=file_dir, dst_dir_fd=sub)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(file, dir_fd=file_dir)
+            raise
 
     def _fill(self, fd: int, direct: bool, file: str, key: bytes, parent: bytes | None, payload: memoryview) -> None:
         """Header, payload and padding from offset 0: the whole footprint, so nothing of a spare's old block is left."""
