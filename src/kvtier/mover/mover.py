@@ -333,15 +333,13 @@ class Mover:
     ) -> None:
         """A chain's steps in order. Where it deletes from a disk tier to make room for a block it writes there,
         it runs inside that store's `reusing()`: the deleted block's file becomes the written one's."""
-        reused = self._reused(chain)
-        if not reused:
-            return self._run_steps(chain, io, delivered, failed)
         with ExitStack() as stack:
-            for name in reused:
+            for name in self._reused(chain):
                 stack.enter_context(self.stores.local[name].reusing())
             self._run_steps(chain, io, delivered, failed)
 
     def _reused(self, chain: list[Step]) -> set[str]:
+        """The disk tiers `chain` deletes from and then writes to."""
         deleted = {step.src for step in chain if step.op is Op.DELETE}
         if not deleted:
             return deleted

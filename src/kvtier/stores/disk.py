@@ -367,13 +367,19 @@ class DiskStore:
             yield
         finally:
             self._local.spares = outer
-            for spare_dir, spare in spares if self._dir_fd is not None else ():  # closed: the restart scan removes them
-                with contextlib.suppress(OSError):
-                    dir_fd = os.open(spare_dir, DIR, dir_fd=self._dir_fd)
-                    try:
-                        os.unlink(spare, dir_fd=dir_fd)
-                    finally:
-                        os.close(dir_fd)
+            self._drop_spares(spares)
+
+    def _drop_spares(self, spares: list[tuple[str, str]]) -> None:
+        """Unlink spares no write took; a closed store leaves them to the restart scan."""
+        if self._dir_fd is None:
+            return
+        for spare_dir, spare in spares:
+            with contextlib.suppress(OSError):
+                dir_fd = os.open(spare_dir, DIR, dir_fd=self._dir_fd)
+                try:
+                    os.unlink(spare, dir_fd=dir_fd)
+                finally:
+                    os.close(dir_fd)
 
     def _in_subdir(self, key: bytes, do: Callable[[str, int], bool]) -> bool:
         """`do(file name, its subdirectory's fd)` for block `key`; False when there is no such file."""
