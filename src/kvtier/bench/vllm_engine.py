@@ -152,7 +152,8 @@ def _figures(runs: dict[str, list[dict]], no_reuse: list[dict[str, list[float]]]
         "slow_disk": {"delay_s_per_read": SLOW_DELAY_S, "requests": SLOW_REQUESTS,
                       "ratio_p10_p90": {p: [percentile(v, 0.1), percentile(v, 0.9)] for p, v in slow_ratios.items()},
                       "ttft_ms_median": {n: 1e3 * statistics.median(t for t, _ in r) for n, r in slow.items()},
-                      # requests with tokens from kvtier: the slowed disk's, or host's where a load brought them back
+                      # requests vLLM reports cached tokens for: the 8 prompts outlast its own cache (off: 0), so a
+                      # tier's, the slowed disk's or host's where a load brought them back
                       "served_from_a_tier": {n: sum(c > 0 for _, c in r) for n, r in slow.items()}},
         "no_reuse_ttft_ms": [{name: {"p50": 1e3 * statistics.median(v), "p99": 1e3 * percentile(v, 0.99)}
                               for name, v in r.items()} for r in no_reuse],
