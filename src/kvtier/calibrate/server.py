@@ -1,6 +1,6 @@
 """What the served engine costs, measured over HTTP as its clients see it: prefill (time to the first streamed
-token of a prompt of token ids, with and without a cached prefix) and decode (seconds between streamed tokens with
-several requests decoding at once).
+token of a prompt of token ids, with and without a cached prefix) and decode (seconds per output token with several
+requests decoding at once).
 
 Every prompt is fresh random token ids, salted per call, so that nothing is cached unless a point asks for it,
 not even by an earlier calibration against the same server. A cached point first sends its prefix, then the
@@ -124,8 +124,10 @@ def measure_prefill(url: str, model: str, block_size: int, max_prompt: int, repe
 
 def measure_decode(url: str, model: str, batches: Sequence[int] = (1, 2, 4), tokens: int = 32,
                    on_point: Callable[[tuple[float, float]], None] | None = None) -> list[tuple[float, float]]:
-    """(batch, median seconds between streamed tokens) with `batch` requests streaming `tokens` tokens each
-    (ignore_eos) at once, every gap of every request counted."""
+    """(batch, median seconds per output token) with `batch` requests streaming `tokens` tokens each (ignore_eos)
+    at once. A request's time per output token is the span from its first streamed token to its last over the
+    tokens after the first (vLLM's TPOT): a fast engine's stream arrives in bursts, several tokens a read or a
+    chunk, whose gaps within a burst say nothing of the step."""
     from kvtier.rollout.client import Load, Prompt, send
 
     url = url.rstrip("/")
@@ -140,10 +142,10 @@ def measure_decode(url: str, model: str, batches: Sequence[int] = (1, 2, 4), tok
         failed = next((r.error for r in results if r.error), None)
         if failed is not None:
             raise CalibrationError(f"{url}/v1/completions: {failed}")
-        gaps = [gap for r in results for gap in r.itl]
-        if not gaps:
+        per_token = [sum(r.itl) / (len(r.tokens) - 1) for r in results if r.itl and len(r.tokens) > 1]
+        if len(per_token) < len(results):
             raise CalibrationError(f"{url}: streamed no second token of {tokens} (is the stream buffered?)")
-        point = (float(batch), statistics.median(gaps))
+        point = (float(batch), statistics.median(per_token))
         points.append(point)
         if on_point is not None:
             on_point(point)
