@@ -14,6 +14,7 @@ from kvtier.sim.profile import MAX_RELATIVE_RMS, load_profile
 vllm = pytest.importorskip("vllm") if os.environ.get("CI") != "true" else __import__("vllm")
 
 TINY_KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2  # layers, K and V, KV heads, head dim, bf16
+ITL = "vllm:inter_token_latency_seconds"  # vLLM's histogram of the gaps between a request's tokens, engine-side
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,7 @@ def server(served_model, tmp_path_factory):
 
 def test_a_calibration_through_the_cli_measures_the_server_and_every_tier(server, redis_server, tmp_path, capsys):
     out, disk = tmp_path / "profile.json", tmp_path / "disk"
+    itl_before = server.metrics(ITL)
     code = main(["calibrate", "--url", server.url, "--model", server.model, "--out", str(out), "--disk-root",
                  str(disk), "--redis", redis_server.url])
     printed = capsys.readouterr()
@@ -63,6 +65,14 @@ def test_a_calibration_through_the_cli_measures_the_server_and_every_tier(server
 
     assert [b for b, _ in profile.decode.points] == [1.0, 2.0, 4.0]
     assert all(s > 0 for _, s in profile.decode.points) and profile.decode.relative_rms <= MAX_RELATIVE_RMS
+    # what the engine itself says of the decode requests: vLLM's inter-token latencies, from its own timestamps
+    # of each token (the calibration's other requests generate one token and have none); a stream read in
+    # bursts cannot fool it. Requests of 32 tokens (31 gaps each) in batches of 1, 2 and 4, measured once or again
+    itl = {k: v - itl_before.get(k, 0.0) for k, v in server.metrics(ITL).items()}
+    gaps, seconds = itl[f"{ITL}_count{{}}"], itl[f"{ITL}_sum{{}}"]
+    assert gaps > 0 and gaps % (7 * 31) == 0, itl
+    measured = sum(b * s for b, s in profile.decode.points) / 7
+    assert measured == pytest.approx(seconds / gaps, rel=0.3), (profile.decode.points, seconds / gaps)
 
     assert set(profile.tiers) == {"host", "disk", "redis"} and profile.store is not None
     block = 128 * TINY_KV_BYTES_PER_TOKEN
