@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from kvtier.calibrate.calibrate import DECODE_BATCHES
 from kvtier.cli.main import main
 from kvtier.rollout.server import Server, embedded_command, free_port
 from kvtier.sim.profile import MAX_RELATIVE_RMS, load_profile
@@ -68,10 +69,11 @@ def test_a_calibration_through_the_cli_measures_the_server_and_every_tier(server
     # what the engine itself says of the decode requests: vLLM's inter-token latencies, from its own timestamps
     # of each token (the calibration's other requests generate one token and have none); a stream read in
     # bursts cannot fool it. Requests of 32 tokens (31 gaps each) in batches of 1, 2 and 4, measured once or again
+    requests = sum(DECODE_BATCHES)
     itl = {k: v - itl_before.get(k, 0.0) for k, v in server.metrics(ITL).items()}
     gaps, seconds = itl[f"{ITL}_count{{}}"], itl[f"{ITL}_sum{{}}"]
-    assert gaps > 0 and gaps % (7 * 31) == 0, itl
-    measured = sum(b * s for b, s in profile.decode.points) / 7
+    assert gaps > 0 and gaps % (requests * 31) == 0, itl
+    measured = sum(b * s for b, s in profile.decode.points) / requests
     assert measured == pytest.approx(seconds / gaps, rel=0.3), (profile.decode.points, seconds / gaps)
 
     assert set(profile.tiers) == {"host", "disk", "redis"} and profile.store is not None
