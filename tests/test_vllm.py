@@ -122,6 +122,36 @@ def test_a_long_request_in_the_smallest_engine_blocks_restores_exactly_one_step_
     assert moved["host->caller"] == moves["host->caller"] * block_bytes
 
 
+def test_kvtier_blocks_of_several_engine_blocks_restore_exactly_one_step_per_kvtier_block(engines, tiny_model):
+    """kvtier blocks of four 32-token engine blocks (`block_size: 128`, as a long-context deployment sets 256 over
+    vLLM's 16): a 4,064-token prompt is 31 whole kvtier blocks (3,968 tokens; its last 96 are not stored), one PUT
+    step each. Another prompt evicts it from the engine but for 30 leading engine blocks, which end inside a kvtier
+    block; then its first 3,969 tokens are asked for: the load starts with that kvtier block, one GET step per
+    kvtier block, writes only the engine blocks vLLM lacks, and the answer equals vLLM's own cache hit of the same
+    3,968 tokens of the same prompt (computed by the same 4,064-token prefill: the same lineage)."""
+    engine_hit = run(engines, tiny_model, "off", "L@4064", "L@3969", engine=SMALL_BLOCKS)[-1]
+    assert engine_hit["cached"] == 3968  # 124 whole engine blocks: vLLM computes the last token again
+    figures: dict = {}
+    series: dict = {}
+    # M (3,136 tokens and 4 generated: 99 engine blocks) evicts 97 of L's 127 from the 129 the engine has
+    out = run(engines, tiny_model, {"cpu_bytes_to_use": 64 << 20, "block_size": 128}, "L@4064", "M@3136", "L@3969",
+              engine=SMALL_BLOCKS, figures=figures, prometheus=series)
+    restored = out[-1]
+    assert restored["cached"] == 3968
+    assert restored["tokens"] == engine_hit["tokens"]
+    assert max_diff(restored, engine_hit) == 0.0
+    kept = series["vllm:prefix_cache_hits_total{}"] // 32  # L's engine blocks vLLM's own cache still had
+    assert kept % 4 and kept < 124 // 2  # they end inside a kvtier block; the host tier served most of L
+    first = kept // 4  # the kvtier block they end in: loaded whole, written where vLLM lacks it
+    moves, moved = figures["moves"], figures["move_bytes"]
+    assert moves["caller->host"] == 31 + 24  # L's kvtier blocks and M's, one step each
+    assert moves["host->caller"] == 31 - first
+    assert series['kvtier_lookup_tokens_total{source="host"}'] == (31 - first) * 128  # whole kvtier blocks
+    kvtier_block = 4 * 2 * 2 * 64 * 128 * 2  # layers, K and V, KV heads, head size, tokens, bf16
+    assert moved["caller->host"] == moves["caller->host"] * kvtier_block
+    assert moved["host->caller"] == moves["host->caller"] * kvtier_block
+
+
 def test_a_prefix_cache_reset_reaches_every_tier(engines, tiny_model, engine_only, tmp_path):
     """After vLLM's reset_prefix_cache (a weight update), nothing stored before is served: A is recomputed."""
     disk = {"type": "fs", **DEMOTE_ALL,

@@ -45,14 +45,18 @@ def redis_action(action: str, restarted):
     raise ValueError(f"unknown action {action}")
 
 
+ENGINE_SERIES = ("vllm:prefix_cache_hits_total",)  # tokens vLLM's own cache held: the rest came from kvtier
+
+
 def kvtier_series() -> dict[str, float]:
-    """The engine's kvtier samples in Prometheus' registry, `name{label="value",...}` without vLLM's labels."""
+    """The engine's kvtier samples in Prometheus' registry, and `ENGINE_SERIES`: `name{label="value",...}` without
+    vLLM's labels."""
     from prometheus_client import REGISTRY
 
     out = {}
     for family in REGISTRY.collect():
         for s in family.samples:
-            if s.name.startswith("kvtier_") and not s.name.endswith("_created"):
+            if (s.name.startswith("kvtier_") or s.name in ENGINE_SERIES) and not s.name.endswith("_created"):
                 labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())
                                   if k not in ("engine", "model_name"))
                 out[f"{s.name}{{{labels}}}"] = s.value
