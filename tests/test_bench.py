@@ -67,7 +67,7 @@ def test_the_weights_bench_measures_each_start_and_leaves_nothing(tmp_path):
 
 def test_scheduler_cost_is_measured_beside_vllms_hashing():
     """`kvtier.bench.scheduler` on a short prompt: both sides timed, stores and loads of the whole chain, with
-    and without eviction."""
+    and without eviction, in kvtier blocks of vLLM's 16 tokens and of 256 (the same prompt for vLLM's hashing)."""
     from kvtier.bench.scheduler import _case, _Directory
 
     for evict in (False, True):
@@ -76,6 +76,9 @@ def test_scheduler_cost_is_measured_beside_vllms_hashing():
         assert all(case[k] > 0 for k in ("store_ms", "load_ms", "store_vllm_hashing_ms", "store_ratio", "load_ratio"))
     case = _case(64 * 16, True, rounds=1, demote=True)  # host + disk: the store, both tiers full
     assert case["demote"] and case["store_ms"] > 0 and case["store_ratio"] > 0 and "load_ms" not in case
+    large = _case(64 * 16, True, rounds=1, block_tokens=256)
+    assert large["blocks"] == 4 and large["block_tokens"] == 256 and large["tokens"] == 64 * 16
+    assert large["load_ms"] > 0 and large["store_vllm_hashing_ms"] > 0
     d = _Directory(64, True, rounds=1, demote=True)
     stats = d.directory.stats
     before = (stats.evictions[("host", "capacity")], stats.evictions[("disk", "capacity")],

@@ -53,8 +53,8 @@ def print_tiers(console: Console, result: dict) -> None:
 
 def print_scheduler(console: Console, figures: dict) -> None:
     """`kvtier.bench.scheduler`: milliseconds of the scheduler thread per request, and the ratio to vLLM's hashing."""
-    table = Table(title=f"scheduler_ms_per_request: one request in {figures['block_tokens']}-token blocks, warm tiers, "
-                  "medians of paired rounds (lower is better)")
+    table = Table(title=f"scheduler_ms_per_request: one request, vLLM's {figures['block_tokens']}-token blocks, warm "
+                  "tiers, medians of paired rounds (lower is better)")
     for column in ("request", "part", "kvtier", "vLLM hashing", "ratio", "rounds", "target", ""):
         table.add_column(column, justify="left" if column in ("request", "part") else "right")
     longest = max(c["tokens"] for c in figures["cases"])  # the target is the longest prompt's
@@ -67,7 +67,8 @@ def print_scheduler(console: Console, figures: dict) -> None:
             runs = case[f"{part}_ratio_runs"]
             met = "" if not long else ("[green]ok[/]" if ratio <= figures["target"] else "[red]MISSED[/]")
             state = ", host + disk, evicting" if case.get("demote") else ", evicting" if case["evict"] else ""
-            table.add_row(f"{case['tokens'] // 1024}k tok{state}", what,
+            blocks = "" if case["block_tokens"] == figures["block_tokens"] else f", {case['block_tokens']}-tok blocks"
+            table.add_row(f"{case['tokens'] // 1024}k tok{blocks}{state}", what,
                           f"{case[f'{part}_ms']:.1f} ms", f"{case[f'{part}_vllm_hashing_ms']:.1f} ms", f"{ratio:.2f}",
                           f"{len(runs)} ({min(runs):.2f}-{max(runs):.2f})", f"≤ {figures['target']}" if long else "",
                           met)
