@@ -13,7 +13,7 @@ def test_bench_quick_writes_every_figure(tmp_path):
     assert main(["bench", "--quick", "--json", str(out), "--root", str(tmp_path / "disk")]) == 0
     result = json.loads(out.read_text())
     for name in ("host_vs_copy", "disk_write_vs_raw", "disk_write_full_vs_raw", "disk_read_vs_raw",
-                 "lookup_keys_per_s"):
+                 "lookup_keys_per_s", "scheduler_vs_vllm_hashing", "large_blocks_vs_vllm_hashing"):
         assert isinstance(result[name], (int, float)) and result[name] > 0, name
     disk = result["disk"]  # every full write took the files of the blocks it deleted (the warm-up's too)
     assert disk["files_reused"] == disk["blocks"] * (len(disk["write_full"]["ours_gbps_runs"]) + 1)

@@ -13,7 +13,8 @@
                     warm directory of 1M blocks; a Python loop of dict.get over the same keys is the baseline.
 - scheduler_vs_vllm_hashing  what one long request's lookup, load or store plan and completions cost vLLM's
                     scheduler thread in the directory, against vLLM's own hashing of the same prompt
-                    (`kvtier.bench.scheduler`; lower is better).
+                    (`kvtier.bench.scheduler`; lower is better); `large_blocks_vs_vllm_hashing` the same in
+                    256-token kvtier blocks.
 
 Ours and the baseline alternate (ABBA) so that they share the machine's noise (`kvtier.timing`);
 figures are medians of the paired ratios, and both sides' raw throughputs are reported too. Then the
@@ -151,7 +152,8 @@ def run(json_path: str | None, quick: bool = False, root: str | None = None) -> 
             result["lookup_keys_per_s_overall"] = "minimum over block sizes"
             result["lookup"] = lookup
             result["scheduler"] = scheduler.run(quick, tick("scheduler"))
-            result["scheduler_vs_vllm_hashing"] = result["scheduler"]["scheduler_vs_vllm_hashing"]
+            for name in ("scheduler_vs_vllm_hashing", "large_blocks_vs_vllm_hashing"):
+                result[name] = result["scheduler"][name]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     result["machine"]["loadavg_end"] = os.getloadavg()
