@@ -146,7 +146,9 @@ def test_kvtier_blocks_of_several_engine_blocks_restore_exactly_one_step_per_kvt
     moves, moved = figures["moves"], figures["move_bytes"]
     assert moves["caller->host"] == 31 + 24  # L's kvtier blocks and M's, one step each
     assert moves["host->caller"] == 31 - first
-    assert series['kvtier_lookup_tokens_total{source="host"}'] == (31 - first) * 128  # whole kvtier blocks
+    # tokens as served: the engine's 960, the host's 3,008 (of the kvtier block both share, the part vLLM lacked)
+    assert series['kvtier_lookup_tokens_total{source="engine"}'] == kept * 32
+    assert series['kvtier_lookup_tokens_total{source="host"}'] == 3968 - kept * 32
     kvtier_block = 4 * 2 * 2 * 64 * 128 * 2  # layers, K and V, KV heads, head size, tokens, bf16
     assert moved["caller->host"] == moves["caller->host"] * kvtier_block
     assert moved["host->caller"] == moves["host->caller"] * kvtier_block
@@ -375,13 +377,13 @@ def test_the_guard_turns_a_slow_disk_off_keeps_host_on_and_brings_the_disk_back_
     found = slowed(engines, tiny_model, config, delay=0.6)
     requests, transitions = found["requests"], found["transitions"]
     slow = [r for r in requests if r["phase"] == "slow"]
-    assert slow[0]["disk_blocks"] and slow[0]["ttft"] > 1.2, "the delay was injected and the disk served"
+    assert slow[0]["disk_tokens"] and slow[0]["ttft"] > 1.2, "the delay was injected and the disk served"
     assert [t["tier"] for t in transitions] == ["disk"] * len(transitions), transitions  # host stays on
     assert transitions[0]["to"] == "off" and transitions[-1]["to"] == "on", transitions
     assert "ttft p99" in transitions[0]["reason"]
     off = [r for r in requests if r["state"] == r["state_after"] == "off"]
-    assert off and not any(r["disk_blocks"] for r in off), "while off, nothing is read from the disk"
-    assert any(r["disk_blocks"] for r in requests if r["phase"] == "healed"), "the probe read the disk again"
+    assert off and not any(r["disk_tokens"] for r in off), "while off, nothing is read from the disk"
+    assert any(r["disk_tokens"] for r in requests if r["phase"] == "healed"), "the probe read the disk again"
     enabled = [r["disk_enabled"] for r in requests]
     steps = [v for i, v in enumerate(enabled) if i == 0 or v != enabled[i - 1]]
     assert steps[0] == 1 and 0 in steps and steps[-1] == 1, steps  # Prometheus saw 1 -> 0 -> 1
@@ -403,7 +405,7 @@ def test_the_decision_recomputes_what_a_slow_disk_would_serve_late(engines, tiny
     found = slowed(engines, tiny_model, {"cpu_bytes_to_use": 8 << 20, "secondary_tiers": [disk]}, delay="2x",
                    requests=16)
     slow = [r for r in found["requests"] if r["phase"] == "slow"]
-    from_disk = [r for r in slow if r["disk_blocks"]]
+    from_disk = [r for r in slow if r["disk_tokens"]]
     assert 1 <= len(from_disk) <= 3, "the first loads measure the disk; then its loads lose to recomputing"
     decisions = found["decisions"]  # by each request's slowest tier: a prompt loaded once is in host afterwards
     assert decisions.get("disk|load", 0) + decisions.get("disk|partial", 0) == len(from_disk)

@@ -47,12 +47,12 @@ def main() -> None:
 
     def serve(name: str, phase: str) -> None:
         state = None if control.guard is None else control.guard.state("disk").value  # when it is routed
-        lookups = side.directory.stats.lookup_blocks
+        lookups = side.stats.lookup_tokens
         disk_before = lookups["disk"]
         out = llm.generate([TokensPrompt(prompt_token_ids=tokens(name))], params, use_tqdm=False)[0]
         enabled = kvtier_series().get('kvtier_tier_enabled{tier="disk"}')
         results.append({"prompt": name, "phase": phase, "ttft": out.metrics.first_token_latency,
-                        "cached": out.num_cached_tokens, "disk_blocks": lookups["disk"] - disk_before,
+                        "cached": out.num_cached_tokens, "disk_tokens": lookups["disk"] - disk_before,
                         "disk_enabled": enabled, "state": state,
                         "state_after": None if control.guard is None else control.guard.state("disk").value,
                         "logprobs": [next(iter(d.values())).logprob for d in out.outputs[0].logprobs]})

@@ -80,7 +80,7 @@ class SchedulerSide:
         state = self._requests.setdefault(request.request_id, RequestState())
         promise, state.promise = state.promise, None
         if num_external_tokens <= 0 or promise is None:  # vLLM may take none of it (e.g. it skips prefix reads)
-            self._count_lookup(request, state, state.local_tokens // self.geo.block_tokens, [])
+            self._count_lookup(request, state, state.local_tokens, [])
             return
         # vLLM has not updated request.num_computed_tokens yet (and after a failed load it is stale): the local
         # hit it told us in get_num_new_matched_tokens is the truth about which engine blocks it already holds.
@@ -93,12 +93,13 @@ class SchedulerSide:
                                         parent=all_keys[first - 1] if first else None,
                                         skip=self.control.route(request, engine_hit=local > 0),
                                         route=chain_route(all_keys, self._route_blocks))
-        self._count_lookup(request, state, first, plan.sources)
         self.control.served(request, plan.sources, engine_hit=local > 0)
         bt = self.geo.block_tokens
         tokens = [max(0, min((first + i + 1) * bt, end) - max((first + i) * bt, local)) for i in range(len(keys))]
+        served = list(zip(plan.sources, tokens))  # tokens each tier really serves to this request
+        self._count_lookup(request, state, local, served)
         state.served = Counter()
-        for source, n in zip(plan.sources, tokens):  # tokens each tier really serves to this request
+        for source, n in served:
             state.served[self.directory.kind(source)] += n
         # what the load could not take (a transfer of ours on the block since the lookup): vLLM recomputes it
         for source, n in zip(found[len(plan.keys) :], tokens[len(plan.keys) :]):
@@ -229,14 +230,21 @@ class SchedulerSide:
         if state.finished:
             del self._requests[request_id]
 
-    def _count_lookup(self, request: Request, state: RequestState, first: int, sources: list[str]) -> None:
-        """A request's prompt by source, in full blocks: vLLM's own hit, each tier's, the rest recomputed."""
+    def _count_lookup(self, request: Request, state: RequestState, local: int, served: list[tuple[str, int]]) -> None:
+        """The tokens of a request's full kvtier blocks by source: vLLM's own hit (`local` tokens), each tier's
+        (`served`: a tier and the tokens it serves, a block's part vLLM holds or recomputes left out), the rest
+        recomputed."""
         if request.num_preemptions > 0 or state.returning:  # counted before, as vLLM does
             state.returning = False
             return
-        total = len(request.block_hashes) // (self.geo.block_tokens // self.geo.engine_block_size)
-        self.directory.stats.lookup_blocks["engine"] += min(first, total)
-        self.directory.record_lookup(sources, max(total - first, len(sources)))
+        per = self.geo.engine_blocks_per_block
+        total = len(request.block_hashes) // per * self.geo.block_tokens
+        counts = self.stats.lookup_tokens
+        engine = min(local, total)
+        counts["engine"] += engine
+        for source, n in served:
+            counts[source] += n
+        counts["miss"] += total - engine - sum(n for _, n in served)
 
     def _keys(self, request: Request) -> list[bytes]:
         per = self.geo.block_tokens // self.geo.engine_block_size

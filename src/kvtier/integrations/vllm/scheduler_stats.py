@@ -32,6 +32,7 @@ class SchedulerStats:
         self.shared_store = shared_store
         self.dropped: Counter = Counter()  # reason -> blocks the scheduler half refused to store
         self.shortfall: Counter = Counter()  # tier -> tokens promised to vLLM that no load could take
+        self.lookup_tokens: Counter = Counter()  # "engine", a tier or "miss" -> prompt tokens (`_count_lookup`)
         self._deltas = Deltas()
         self._orphans: dict[str, int] = {}
         self._audited_at = float("-inf")
@@ -40,11 +41,10 @@ class SchedulerStats:
     def payload(self) -> dict:
         """What changed in the directory since the last call, and the tiers' usage now."""
         d = self.directory
-        tokens = {k: v * self.geo.block_tokens for k, v in d.stats.lookup_blocks.items()}
         usage = d.usage()
         payload: dict[str, dict[str, Any]] = {
             "counters": {
-                "lookup_tokens": self._deltas.take("lookup_tokens", tokens),
+                "lookup_tokens": self._deltas.take("lookup_tokens", self.lookup_tokens),
                 "evictions": self._deltas.take("evictions", d.stats.evictions),
                 "admission_rejects": self._deltas.take("admission_rejects", d.stats.admission_rejects),
                 "stores_dropped": self._deltas.take("stores_dropped", d.stats.stores_dropped + self.dropped),
