@@ -18,6 +18,9 @@ def test_bench_quick_writes_every_figure(tmp_path):
     disk = result["disk"]  # every full write took the files of the blocks it deleted (the warm-up's too)
     assert disk["files_reused"] == disk["blocks"] * (len(disk["write_full"]["ours_gbps_runs"]) + 1)
     assert len(result["host_vs_copy_by_size"]) == 3  # 256 KiB, 1 MiB, 4 MiB blocks
+    assert set(result["disk_by_size"]) == {"2MiB", "8MiB"}  # the quick run's other disk block sizes
+    assert all(case[side]["ratio"] > 0 for case in result["disk_by_size"].values()
+               for side in ("write", "write_full", "read"))
     pages = result["engine_pages"]  # the tiny model's pages and Llama-3.1-8B's, each also as per-part copies
     assert [case["parts_per_block"] for case in pages] == [16, 1024]
     assert result["engine_pages_vs_copy"] == min(case["ratio"] for case in pages) > 0

@@ -35,6 +35,11 @@ def print_tiers(console: Console, result: dict) -> None:
         case, name = result["disk"][side], f"disk_{side}_vs_raw"
         row(name, f"{case['ours_gbps']:.2f} GB/s", f"{case['baseline_gbps']:.2f} GB/s", case["ratio"],
             f"≥ {t[name]['target']}", t[name]["met"])
+    for size, by_side in result["disk_by_size"].items():
+        for side in ("write", "write_full", "read"):
+            case = by_side[side]
+            row(f"  disk {size} {side}", f"{case['ours_gbps']:.2f} GB/s", f"{case['baseline_gbps']:.2f} GB/s",
+                case["ratio"], "", None)
     for tokens, case in result["lookup"]["by_block_tokens"].items():
         table.add_row(f"lookup {case['keys']} keys ({tokens} tok)", f"{case['keys_per_s'] / 1e6:.2f} M/s",
                       f"{case['dict_get_keys_per_s'] / 1e6:.2f} M/s", f"{case['vs_dict_get']:.3f}", "", "")
