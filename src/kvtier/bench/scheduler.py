@@ -172,7 +172,8 @@ def round_count(quick: bool) -> int:
 
 def ticks(quick: bool) -> int:
     """How often `run` calls its `tick`: for a progress bar's total."""
-    return (len(PROMPTS) * 2 * 2 + 1 + 3) * (round_count(quick) + 1) + 1
+    parts = len(PROMPTS) * 2 * 2 + 1 + 3  # load and store, with room and evicting; host + disk; large blocks' three
+    return parts * (round_count(quick) + 1) + 1
 
 
 def run(quick: bool = False, tick: Callable[[], None] = lambda: None) -> dict:
