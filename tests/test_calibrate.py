@@ -87,6 +87,20 @@ def test_a_calibration_through_the_cli_measures_the_server_and_every_tier(server
         assert client.dbsize() == 0  # its keys deleted
 
 
+def test_decode_is_the_engines_own_time_per_output_token(server):
+    """A decode point is vLLM's TPOT of the batch's requests as the engine timed them (`TPOT` on /metrics), not
+    the stream's spans as this client read them: the mean of the two requests' TPOTs, to the float. The
+    measurement's warm-up requests make one token each, a TPOT of 0."""
+    from kvtier.calibrate.server import TPOT, measure_decode
+
+    before = server.metrics(TPOT)
+    [(batch, seconds)] = measure_decode(server.url, server.model, batches=(2,), tokens=8)
+    after = server.metrics(TPOT)
+    total = after[f"{TPOT}_sum{{}}"] - before.get(f"{TPOT}_sum{{}}", 0.0)
+    assert batch == 2 and seconds > 0
+    assert seconds == pytest.approx(total / 2, rel=1e-9), (seconds, total)
+
+
 def test_a_server_that_does_not_answer_exits_2_naming_its_url(tmp_path, capsys):
     url = f"http://127.0.0.1:{free_port()}"
     assert main(["calibrate", "--url", url, "--out", str(tmp_path / "profile.json")]) == 2

@@ -31,6 +31,8 @@ PREFILL_SIZES = 6  # new-token sizes, geometric from SMALLEST_PROMPT to the long
 CACHED_SHARES = (0.25, 0.5, 0.75)  # cached points: this share of the longest prompt cached, the rest new
 REQUEST_TIMEOUT_S = 300.0
 DECODE_PROMPT = 16  # tokens of each decode request's prompt: its prefill barely shows in the gaps
+TPOT = "vllm:request_time_per_output_token_seconds"  # vLLM's TPOT of each finished request, engine-side timestamps
+TPOT_WAIT_S = 3.0  # how long a batch's requests may take to reach /metrics after their responses ended
 
 
 def server_identity(url: str, model: str) -> dict:
@@ -124,10 +126,13 @@ def measure_prefill(url: str, model: str, block_size: int, max_prompt: int, repe
 
 def measure_decode(url: str, model: str, batches: Sequence[int] = (1, 2, 4), tokens: int = 32,
                    on_point: Callable[[tuple[float, float]], None] | None = None) -> list[tuple[float, float]]:
-    """(batch, median seconds per output token) with `batch` requests streaming `tokens` tokens each (ignore_eos)
-    at once. A request's time per output token is the span from its first streamed token to its last over the
-    tokens after the first (vLLM's TPOT): a fast engine's stream arrives in bursts, several tokens a read or a
-    chunk, whose gaps within a burst say nothing of the step."""
+    """(batch, seconds per output token) with `batch` requests streaming `tokens` tokens each (ignore_eos) at once:
+    vLLM's TPOT (a request's span from its first token to its last over the tokens after the first), the mean over
+    the batch as the engine timed it (`TPOT` on /metrics). Where /metrics has no such histogram, or other requests
+    finished meanwhile, the median over the batch of the same span as the client saw the stream. The engine's own
+    timestamps come first: on a busy machine the API server reads the engine's outputs late, and the stream then
+    arrives in bursts whose spans say little of the step (a request's tokens all in one burst: a span of
+    microseconds)."""
     from kvtier.rollout.client import Load, Prompt, send
 
     url = url.rstrip("/")
@@ -138,14 +143,18 @@ def measure_decode(url: str, model: str, batches: Sequence[int] = (1, 2, 4), tok
     points = []
     for batch in batches:
         prompts = [Prompt(ids.fresh(DECODE_PROMPT), "decode", tokens) for _ in range(batch)]
+        before = _tpot_totals(url)
         results = send(url, model, prompts, Load(clients=batch), timeout_s=REQUEST_TIMEOUT_S)
         failed = next((r.error for r in results if r.error), None)
         if failed is not None:
             raise CalibrationError(f"{url}/v1/completions: {failed}")
-        per_token = [sum(r.itl) / (len(r.tokens) - 1) for r in results if r.itl and len(r.tokens) > 1]
-        if len(per_token) < len(results):
-            raise CalibrationError(f"{url}: streamed no second token of {tokens} (is the stream buffered?)")
-        point = (float(batch), statistics.median(per_token))
+        engine = _engine_tpot(url, before, batch)
+        if engine is None:
+            per_token = [sum(r.itl) / (len(r.tokens) - 1) for r in results if r.itl and len(r.tokens) > 1]
+            if len(per_token) < len(results):
+                raise CalibrationError(f"{url}: streamed no second token of {tokens} (is the stream buffered?)")
+            engine = statistics.median(per_token)
+        point = (float(batch), engine)
         points.append(point)
         if on_point is not None:
             on_point(point)
@@ -210,13 +219,47 @@ def _json(url: str, path: str) -> dict:
 
 
 def _block_size(url: str) -> int | None:
+    text = _metrics(url)
+    m = re.search(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', text or "", re.MULTILINE)
+    return int(m.group(1)) if m else None
+
+
+def _tpot_totals(url: str) -> tuple[float, float] | None:
+    """vLLM's `TPOT` histogram, its sum and count over every engine; None where /metrics has none."""
+    text = _metrics(url)
+    totals = {"sum": 0.0, "count": 0.0}
+    found = False
+    for m in re.finditer(rf"^{re.escape(TPOT)}_(sum|count)(?:\{{[^}}]*\}})? (\S+)$", text or "", re.MULTILINE):
+        totals[m.group(1)] += float(m.group(2))
+        found = True
+    return (totals["sum"], totals["count"]) if found else None
+
+
+def _engine_tpot(url: str, before: tuple[float, float] | None, requests: int) -> float | None:
+    """The mean TPOT of the `requests` that finished since `before` (`_tpot_totals`), once all of them reached
+    /metrics; None where the server has no such histogram, other requests finished too, or they never arrived."""
+    if before is None:
+        return None
+    deadline = time.monotonic() + TPOT_WAIT_S
+    while True:
+        after = _tpot_totals(url)
+        if after is None:
+            return None
+        seconds, count = after[0] - before[0], after[1] - before[1]
+        if count == requests and seconds > 0:
+            return seconds / count
+        if count > requests or time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
+def _metrics(url: str) -> str | None:
+    """The server's /metrics text; None where it has none."""
     try:
         with _opened(url, f"{url}/metrics", timeout=30) as response:
-            text = response.read().decode(errors="replace")
+            return response.read().decode(errors="replace")
     except CalibrationError:
         return None
-    m = re.search(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', text, re.MULTILINE)
-    return int(m.group(1)) if m else None
 
 
 def _opened(url: str, request: urllib.request.Request | str, timeout: float = REQUEST_TIMEOUT_S) -> Any:
