@@ -23,6 +23,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvtier.calibrate import CalibrationError
 
 TOKEN_IDS = (3, 32000)  # prompts are drawn from these ids: past the usual special tokens, inside a Llama vocabulary
@@ -227,12 +229,19 @@ def _block_size(url: str) -> int | None:
 def _tpot_totals(url: str) -> tuple[float, float] | None:
     """vLLM's `TPOT` histogram, its sum and count over every engine; None where /metrics has none."""
     text = _metrics(url)
-    totals = {"sum": 0.0, "count": 0.0}
+    if text is None:
+        return None
+    totals = {f"{TPOT}_sum": 0.0, f"{TPOT}_count": 0.0}
     found = False
-    for m in re.finditer(rf"^{re.escape(TPOT)}_(sum|count)(?:\{{[^}}]*\}})? (\S+)$", text or "", re.MULTILINE):
-        totals[m.group(1)] += float(m.group(2))
-        found = True
-    return (totals["sum"], totals["count"]) if found else None
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples if family.name == TPOT else ():
+                if sample.name in totals:
+                    totals[sample.name] += sample.value
+                    found = True
+    except ValueError:  # not Prometheus' text format: the client's own spans stand in
+        return None
+    return (totals[f"{TPOT}_sum"], totals[f"{TPOT}_count"]) if found else None
 
 
 def _engine_tpot(url: str, before: tuple[float, float] | None, requests: int) -> float | None:
