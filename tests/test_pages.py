@@ -146,7 +146,9 @@ def test_whole_tensors_and_parts_in_one_batch_land_where_single_copies_put_them_
     for block, slot in zip(blocks, slots):
         copy_into_slot(expected.slot(slot), block)
         assert torch.equal(slab.slot(slot), expected.slot(slot)), slot
-    assert slab.slots_as(torch.bfloat16, (2, 4, 64))[7].equal(bf16[1])
+    shaped = slab.slots_as(torch.bfloat16, (2, 4, 64))
+    assert shaped[7].equal(bf16[1]) and len(shaped) == 8
+    assert shaped[7] is slab.slots_as(torch.bfloat16, (2, 4, 64))[7], "a slot's view is made once, then kept"
 
     out = [torch.full_like(b, 7) if isinstance(b, torch.Tensor) else b for b in blocks]
     out[3] = [torch.zeros(512, dtype=torch.uint8), 256, torch.zeros(64)]

@@ -230,7 +230,7 @@ class TieredCache:
         return skip
 
     def _check(self, block: torch.Tensor) -> None:
-        if tuple(block.shape) != self.block_shape or block.dtype != self.dtype:
+        if block.shape != self.block_shape or block.dtype != self.dtype:  # a torch.Size is a tuple
             raise ValueError(
                 f"block of shape {tuple(block.shape)} {block.dtype}; this cache holds {self.block_shape} {self.dtype}"
             )

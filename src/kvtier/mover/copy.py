@@ -59,7 +59,7 @@ def copy_blocks(slab: SlotStore, blocks: Sequence[CallerBlock], moves: Sequence[
             if (block.dtype, block.shape) != kind:
                 kind = (block.dtype, block.shape)
                 typed = slab.slots_as(*kind)
-                count = typed.shape[0]
+                count = len(typed)
             assert typed is not None
             if not 0 <= slot < count:
                 raise ValueError(f"slot {slot} out of range [0, {count})")

@@ -78,7 +78,7 @@ class HostSlab:
             self._mmap.madvise(mmap.MADV_HUGEPAGE)
         self._buf = torch.frombuffer(self._mmap, dtype=torch.uint8).view(num_slots, self.slot_nbytes)
         self._rows = self._buf[:, :payload_nbytes]  # strided when slots carry padding
-        self._typed: tuple[tuple[torch.dtype, torch.Size], torch.Tensor] | None = None  # see `slots_as`
+        self._typed: tuple[tuple[torch.dtype, torch.Size], SlotViews] | None = None  # see `slots_as`
         self._labels: list[tuple[bytes, bytes | None] | None] = [None] * num_slots  # see `label`
         self.pinned = False
         self._closed = False
@@ -191,17 +191,18 @@ class HostSlab:
         self._check_slots((i,))
         return self._rows[i]
 
-    def slots_as(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-        """Every slot's payload bytes as one tensor `(num_slots, *shape)` of `dtype` (no copy), so that `[i]` is
-        slot i already shaped like a caller's block: a batch copy then makes no views of its own per block,
-        which cost more than copying a small block (benchmarks/README.md). The last kind asked for is kept."""
+    def slots_as(self, dtype: torch.dtype, shape: Sequence[int]) -> SlotViews:
+        """Every slot's payload bytes shaped `shape` of `dtype` (no copy): `[i]` is slot i already shaped like a
+        caller's block, made once and kept, so that a batch copy makes no view per block: a view costs more
+        than copying a small block (benchmarks/README.md). The last kind asked for is kept."""
         self._check_open()
         kind = (dtype, torch.Size(shape))
         typed = self._typed
         if typed is None or typed[0] != kind:
             if kind[1].numel() * dtype.itemsize != self.payload_nbytes:
                 raise ValueError(f"{tuple(shape)} {dtype} is not a slot's {self.payload_nbytes} bytes")
-            typed = self._typed = kind, self._buf.view(dtype)[:, : kind[1].numel()].view(self.num_slots, *kind[1])
+            tensor = self._buf.view(dtype)[:, : kind[1].numel()].view(self.num_slots, *kind[1])
+            typed = self._typed = kind, SlotViews(tensor)
         return typed[1]
 
     def view(self, i: int) -> memoryview:
@@ -261,3 +262,21 @@ class HostSlab:
                     rows[i : i + n].copy_(slab_part, non_blocking=non_blocking)
         if non_blocking and wait:
             torch.cuda.current_stream(device).synchronize()
+
+
+class SlotViews(Sequence[torch.Tensor]):
+    """A slab's slots as tensors of one shape, each view made on first use and kept: the views of the slots a
+    cache uses, not one per slot of a large slab at startup."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor  # (num_slots, *shape)
+        self._views: list[torch.Tensor | None] = [None] * tensor.shape[0]
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __getitem__(self, i: int) -> torch.Tensor:  # type: ignore[override]  # no slices
+        view = self._views[i]
+        if view is None:
+            view = self._views[i] = self.tensor[i]
+        return view
