@@ -169,7 +169,8 @@ class TieredCache:
                     raise ValueError("load: out tensors must be contiguous")
         with self._lock:
             skip = self._route(request)
-            local = len(self.directory.lookup(keys, skip))
+            # where the local prefix ends: what the shared tier's lookup starts from (without one, nothing needs it)
+            local = len(self.directory.lookup(keys, skip)) if self.shared is not None else 0
         shared_end = local + self._lookup_shared(keys, local, skip)  # network: outside the lock
         with self._lock:
             plan = self.directory.plan_load(keys, shared_end=shared_end, skip=skip, route=self._chain_route(keys))
