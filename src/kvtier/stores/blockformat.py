@@ -44,8 +44,13 @@ class Header(NamedTuple):
 
 
 def check_key(key: bytes, what: str = "key") -> None:
-    if not 0 < len(key) <= MAX_KEY:
+    if not valid_key(key):
         raise ValueError(f"{what} must be 1..{MAX_KEY} bytes, got {len(key)}")
+
+
+def valid_key(key: bytes) -> bool:
+    """A key a block's header has room for."""
+    return 0 < len(key) <= MAX_KEY
 
 
 def payload_checksum(payload: bytes | memoryview) -> int:
