@@ -140,15 +140,17 @@ class Room:
         dropped: set[bytes] = set()  # victims with no other copy: they leave, and their parents lose a child
         for key in tier.policy.candidates(None):
             block = blocks[key]
-            copy = block.copies[name]
+            copies = block.copies
+            copy = copies[name]
             if copy.state is not ready or copy.readers or block.pins:
                 continue
-            others = len(block.copies) > 1
-            if block.children is not None and not others and not dropped.issuperset(block.child_keys()):
-                return None
-            found.append(block)
-            if not others:
+            if len(copies) == 1:  # no other copy: it leaves, and must orphan nothing that stays
+                children = block.children  # one child's key, or a set of them
+                if children is not None and (children not in dropped if isinstance(children, bytes)
+                                             else not dropped.issuperset(children)):
+                    return None
                 dropped.add(block.key)
+            found.append(block)
             if len(found) == want:
                 return found
         return None
