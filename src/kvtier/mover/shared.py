@@ -57,7 +57,7 @@ class SharedTraffic:
         """Chains that touch no shared tier, and the others cut around their one shared step. A chain that does
         not fit that shape (or, with `last_only`, whose shared step is not its last) runs as it is."""
         if not self.stores:
-            return chains, []
+            return list(chains), []
         plain, cut = [], []
         for chain in chains:
             at = [i for i, step in enumerate(chain) if step.src in self.stores or step.dst in self.stores]
