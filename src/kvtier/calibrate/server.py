@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import re
 import secrets
 import statistics
 import time
@@ -24,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from kvtier.calibrate import CalibrationError
 
@@ -221,27 +221,16 @@ def _json(url: str, path: str) -> dict:
 
 
 def _block_size(url: str) -> int | None:
-    text = _metrics(url)
-    m = re.search(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', text or "", re.MULTILINE)
-    return int(m.group(1)) if m else None
+    sizes = [s.labels.get("block_size", "") for s in _samples(url) or () if s.name == "vllm:cache_config_info"]
+    return int(sizes[0]) if sizes and sizes[0].isdigit() else None
 
 
 def _tpot_totals(url: str) -> tuple[float, float] | None:
     """vLLM's `TPOT` histogram, its sum and count over every engine; None where /metrics has none."""
-    text = _metrics(url)
-    if text is None:
-        return None
-    totals = {f"{TPOT}_sum": 0.0, f"{TPOT}_count": 0.0}
-    found = False
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples if family.name == TPOT else ():
-                if sample.name in totals:
-                    totals[sample.name] += sample.value
-                    found = True
-    except ValueError:  # not Prometheus' text format: the client's own spans stand in
-        return None
-    return (totals[f"{TPOT}_sum"], totals[f"{TPOT}_count"]) if found else None
+    samples = _samples(url) or []
+    sums = [s.value for s in samples if s.name == f"{TPOT}_sum"]
+    counts = [s.value for s in samples if s.name == f"{TPOT}_count"]
+    return (sum(sums), sum(counts)) if counts else None
 
 
 def _engine_tpot(url: str, before: tuple[float, float] | None, requests: int) -> float | None:
@@ -262,12 +251,14 @@ def _engine_tpot(url: str, before: tuple[float, float] | None, requests: int) ->
         time.sleep(0.05)
 
 
-def _metrics(url: str) -> str | None:
-    """The server's /metrics text; None where it has none."""
+def _samples(url: str) -> list[Sample] | None:
+    """Every sample on the server's /metrics; None where it has none, or not in Prometheus' text format (the
+    client's own figures then stand in)."""
     try:
         with _opened(url, f"{url}/metrics", timeout=30) as response:
-            return response.read().decode(errors="replace")
-    except CalibrationError:
+            text = response.read().decode(errors="replace")
+        return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+    except (CalibrationError, ValueError):
         return None
 
 
