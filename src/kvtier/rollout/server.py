@@ -24,6 +24,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 # The embedded default: vLLM's CPU backend, the tiny model, an engine cache of 48 blocks of 128 tokens.
 ENGINE_FLAGS = ["--block-size", "128", "--enable-prefix-caching", "--max-num-seqs", "4", "--enforce-eager",
                 "--max-model-len", "4096", "--dtype", "bfloat16", "--enable-prompt-tokens-details", "--seed", "0"]
@@ -127,13 +129,14 @@ class Server:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
             text = r.read().decode()
         out: dict[str, float] = {}
-        for line in text.splitlines():
-            m = re.match(rf"^({re.escape(prefix)}[\w:]*)(?:\{{(.*)\}})? (\S+)$", line)
-            if m and not m.group(1).endswith("_created"):  # creation timestamps, not figures
-                labels = ",".join(sorted(p for p in re.findall(r'\w+="[^"]*"', m.group(2) or "")
-                                         if not p.startswith(("engine=", "model_name="))))
-                key = f"{m.group(1)}{{{labels}}}"
-                out[key] = out.get(key, 0.0) + float(m.group(3))
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if not sample.name.startswith(prefix) or sample.name.endswith("_created"):  # timestamps, not figures
+                    continue
+                labels = ",".join(sorted(f'{k}="{v}"' for k, v in sample.labels.items()
+                                         if k not in ("engine", "model_name")))
+                key = f"{sample.name}{{{labels}}}"
+                out[key] = out.get(key, 0.0) + sample.value
         return out
 
     def rss_bytes(self) -> int:
