@@ -4,7 +4,8 @@ engine's KV memory whose content is known: a block's bytes on rank r are a funct
 vLLM's call order per request: `get_num_new_matched_tokens`, `update_state_after_alloc`, then each step
 `build_connector_meta` -> every worker's `start_load_kv` -> the forward -> `get_finished`,
 `get_block_ids_with_load_errors`, `build_connector_worker_meta` (aggregated over ranks) ->
-`update_connector_output`; `request_finished` when it ends (or is aborted). Checked on every load: an engine block
+`update_connector_output`; `request_finished` when it ends (or is aborted). With more than one rank, what travels
+between the halves is pickled, as vLLM's multiprocess executor sends it. Checked on every load: an engine block
 the workers did not report as failed holds exactly its key's bytes on every rank (`wrong`: the count of blocks
 that did not, which must stay 0).
 """
@@ -12,10 +13,12 @@ that did not, which must stay 0).
 from __future__ import annotations
 
 import hashlib
+import pickle
 import random
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import TypeVar
 
 import torch
 
@@ -25,6 +28,7 @@ from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.setup import Geometry
 from kvtier.integrations.vllm.worker import WorkerSide
 
+T = TypeVar("T")
 P = 4096  # bytes of one engine block (one layer), which is one kvtier block of 16 tokens
 TOKENS = 16
 
@@ -149,7 +153,7 @@ class Engine:
         processes aborts after the step ran and before its output is handled). Returns the failed blocks."""
         meta = self.scheduler.build_connector_meta(STEP)
         for worker in self.workers:
-            worker.start(meta)
+            worker.start(self._sent(meta))
         for request in finish:
             self.finish(request)
         metas, sending, recving, invalid = [], [], [], set()
@@ -160,7 +164,7 @@ class Engine:
             sending.append(s or set())
             recving.append(r or set())
             invalid |= worker.get_block_ids_with_load_errors()
-            metas.append(worker.worker_meta())
+            metas.append(self._sent(worker.worker_meta()))
         merged = None
         for m in metas:
             if m is not None:
@@ -169,6 +173,11 @@ class Engine:
         self.scheduler.update_connector_output(merged or KVTierWorkerMetadata(), done)
         self._release(sending, done)
         return invalid
+
+    def _sent(self, message: T) -> T:
+        """`message` as the other half gets it: pickled and unpickled where vLLM runs its ranks in processes of
+        their own (its multiprocess executor, for more than one), the object itself where it runs one in-process."""
+        return message if len(self.workers) == 1 else pickle.loads(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
 
     def _received(self, recving: list[set[str]]) -> set[str]:
         """The requests whose loads every rank has now reported."""

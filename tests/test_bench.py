@@ -71,7 +71,7 @@ def test_the_weights_bench_measures_each_start_and_leaves_nothing(tmp_path):
 def test_scheduler_cost_is_measured_beside_vllms_hashing():
     """`kvtier.bench.scheduler` on a short prompt: both sides timed, stores and loads of the whole chain, with
     and without eviction, in kvtier blocks of vLLM's 16 tokens and of 256 (the same prompt for vLLM's hashing)."""
-    from kvtier.bench.scheduler import _case, _Directory
+    from kvtier.bench.scheduler import WarmDirectory, _case
 
     for evict in (False, True):
         case = _case(64 * 16, evict, rounds=1)
@@ -82,13 +82,38 @@ def test_scheduler_cost_is_measured_beside_vllms_hashing():
     large = _case(64 * 16, True, rounds=1, block_tokens=256)
     assert large["blocks"] == 4 and large["block_tokens"] == 256 and large["tokens"] == 64 * 16
     assert large["load_ms"] > 0 and large["store_vllm_hashing_ms"] > 0
-    d = _Directory(64, True, rounds=1, demote=True)
+    d = WarmDirectory(64, True, rounds=1, demote=True)
     stats = d.directory.stats
     before = (stats.evictions[("host", "capacity")], stats.evictions[("disk", "capacity")],
               stats.planned_moves[("host", "disk")])
     d.store()  # each of its 64 blocks evicts one from host, demoted to disk, which evicts one
     assert (stats.evictions[("host", "capacity")], stats.evictions[("disk", "capacity")],
             stats.planned_moves[("host", "disk")]) == tuple(n + 64 for n in before)
+
+
+def test_a_request_through_the_connectors_hooks_is_timed_beside_vllms_hashing():
+    """`hooks`: a miss stores the prompt through the connector's scheduler half, a hit of it loads it back (the
+    bench raises if the hit is not promised every token), each round beside vLLM's hashing of the prompt."""
+    from kvtier.bench.connector import hooks
+
+    figures = hooks(64 * 16, rounds=3)
+    assert figures["blocks"] == 64
+    for part in ("hit", "miss"):
+        assert figures[f"{part}_ms"] > 0 and figures[f"{part}_vllm_hashing_ms"] > 0
+        assert len(figures[f"{part}_ratio_runs"]) == 3
+
+
+def test_a_requests_jobs_are_timed_as_sent_to_the_ranks():
+    """`sent`: a request's load and store jobs pickled as vLLM's multiprocess executor sends them (beside vLLM's
+    hashing of the prompt) and unpickled as a rank gets them, with a step per block in them."""
+    from kvtier.bench.connector import sent
+
+    figures = sent(64 * 16, rounds=2)
+    assert figures["blocks"] == 64
+    for part in ("load", "store"):
+        assert figures[f"{part}_sent_ms"] > 0 and figures[f"{part}_received_ms"] > 0
+        assert figures[f"{part}_sent_ratio"] > 0 and len(figures[f"{part}_sent_ratio_runs"]) == 2
+        assert figures[f"{part}_sent_bytes"] > 64 * 16  # every block's key travels
 
 
 def test_the_collectors_cost_counts_the_directorys_objects_alone():

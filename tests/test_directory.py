@@ -23,6 +23,7 @@ And after draining everything: exact accounting, no pins, no readers, no orphane
 
 from __future__ import annotations
 
+import pickle
 import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvtier.admission import AdmissionRule
-from kvtier.directory import CALLER, CopyState, Directory, Op, Plan, Status, Step, TierSpec
+from kvtier.directory import CALLER, CopyState, Directory, Op, Plan, Status, Step, TierSpec, pack_chains, unpack_chains
 from kvtier.sim.instant_mover import complete_instantly
 from kvtier.stores.base import TierKind
 
@@ -661,10 +662,10 @@ def test_auto_sightings_keep_unique_traffic_off_the_disk_and_admit_first_sightin
 def test_runs_planned_in_bulk_plan_what_the_per_block_path_plans(monkeypatch, tiers: str) -> None:
     """The bulk paths (`StorePlanner._run`: a run of new blocks with room, or room its evictions make in one
     walk; `LoadPlanner._read_first`: the leading first-tier hits; `Directory.complete_many`: the completions that
-    only change a state) shortcut the per-block loops: random traffic of a prefix tree, through a host tier that
-    fills (and demotes to a disk tier, or drops what it evicts, or both once the disk is turned off), plans the
-    same steps (ids, slots and indexes included) with them as without them, evicts the same blocks and leaves the
-    same blocks in the same policy order."""
+    only change a state; `StorePlanner._touch_whole`: a whole chain stored again) shortcut the per-block loops:
+    random traffic of a prefix tree, through a host tier that fills (and demotes to a disk tier, or drops what it
+    evicts, or both once the disk is turned off), plans the same steps (ids, slots and indexes included) with them
+    as without them, evicts the same blocks and leaves the same blocks in the same policy order."""
     from kvtier.directory.loading import LoadPlanner
     from kvtier.directory.room import Room
     from kvtier.directory.storing import StorePlanner
@@ -689,7 +690,9 @@ def test_runs_planned_in_bulk_plan_what_the_per_block_path_plans(monkeypatch, ti
             hit = len(load.keys)
             store = d.plan_store(keys[hit:], parent=keys[hit - 1] if hit else None)
             complete_instantly(d, store)
-            plans += [load.chains, load.sources, store.chains]
+            again = d.plan_store(keys)  # the whole chain once more, as the vLLM connector stores a request's end
+            complete_instantly(d, again)
+            plans += [load.chains, load.sources, store.chains, again.chains]
         return plans, [list(t.policy.candidates()) for t in d.tiers], d.stats.evictions
 
     found = Counter()
@@ -702,8 +705,26 @@ def test_runs_planned_in_bulk_plan_what_the_per_block_path_plans(monkeypatch, ti
         m.setattr(StorePlanner, "_run", lambda *args: stats.update(["run"]) or [])
         m.setattr(LoadPlanner, "_read_first", lambda *args: stats.update(["read_first"]) or 0)
         m.setattr(Directory, "complete_many", lambda d, steps, status: [d.complete(s, status) for s in steps])
+        m.setattr(StorePlanner, "_touch_whole", lambda *args: stats.update(["touch_whole"]) or False)
         per_block = replay()
-    assert stats["run"] > 50 and stats["read_first"] > 100  # both shortcuts had traffic to shortcut
-    assert sum(len(chains) for chains in bulk[0][2::3]) > 2000  # stores, many of them evicting
+    assert stats["run"] > 50 and stats["read_first"] > 100  # the shortcuts had traffic to shortcut
+    assert stats["touch_whole"] > 100
+    assert sum(len(chains) for chains in bulk[0][2::4]) > 2000  # stores, many of them evicting
     assert (found["victims"] > 20) == (tiers != "host+disk")  # runs that evicted in one walk, where nothing demotes
     assert bulk == per_block
+
+
+def test_chains_packed_for_another_process_come_back_as_they_were() -> None:
+    """What the vLLM connector's multiprocess ranks get (`pack_chains`, pickled): a host tier demoting to disk
+    plans chains of several steps and of one; each comes back with every field, a route and a parent included."""
+    d = Directory([TierSpec("host", 8 * BLOCK, BLOCK, kind=TierKind.HOST), TierSpec("disk", 64 * BLOCK, BLOCK)])
+    chains: list[list[Step]] = []
+    for i in range(6):
+        plan = d.plan_store(chain(tuple(range(10 * i + 1, 10 * i + 6))))
+        complete_instantly(d, plan)
+        chains += plan.chains
+    chains.append([Step(Op.COPY, b"k", "host", "redis", 3, 4, 5, b"p", True, 99, b"r")])
+    assert any(len(c) > 1 for c in chains) and any(len(c) == 1 for c in chains)
+    back = unpack_chains(pickle.loads(pickle.dumps(pack_chains(chains), pickle.HIGHEST_PROTOCOL)))
+    assert back == chains and back[-1][0].route == b"r" and back[-1][0].needs_prev
+    assert unpack_chains(pack_chains([])) == []

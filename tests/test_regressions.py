@@ -243,10 +243,34 @@ def test_a_rank_that_failed_a_step_is_never_outvoted_by_a_later_ok():
     assert held
     meta = s.build_connector_meta(STEP)
     puts = [st for c in meta.stores[0].chains for st in c if st.op is Op.PUT]
-    s.update_connector_output(KVTierWorkerMetadata({puts[0].id: (Status.FAILED, 1), puts[1].id: (Status.OK, 1)}))
-    s.update_connector_output(KVTierWorkerMetadata({puts[0].id: (Status.OK, 1), puts[1].id: (Status.OK, 1)}))
+    s.update_connector_output(KVTierWorkerMetadata([puts[0].id, puts[1].id], {puts[0].id: Status.FAILED}))
+    s.update_connector_output(KVTierWorkerMetadata([puts[0].id, puts[1].id]))
     assert s.directory.lookup([puts[0].key]) == []
     assert puts[0].key not in s.directory
+
+
+def test_ranks_reports_merged_as_vllm_merges_them_complete_each_step_with_its_worst_status():
+    """Each rank's completions, pickled and merged one pair at a time as vLLM does: a step both ranks reported in
+    one message completes at once with the worst status either saw; one a rank has not reported yet waits for it."""
+    import pickle
+
+    config = parse_config({"cpu_bytes_to_use": 4 * 4 * P, "block_size": 16, "engine_block_size": 16})
+    s = SchedulerSide(loading_all(config), geometry(world_size=2))
+    for rid, first in (("r1", 1), ("r2", 3)):
+        s.request_finished(request(rid, [bytes([first]) * 32, bytes([first + 1]) * 32], computed=32), [7, 8])
+    meta = s.build_connector_meta(STEP)
+    (a, b), (c, d) = ([st for ch in job.chains for st in ch if st.op is Op.PUT] for job in meta.stores)
+    ranks = [KVTierWorkerMetadata([a.id, b.id, c.id, d.id]),
+             KVTierWorkerMetadata([c.id, d.id, a.id], {a.id: Status.FAILED})]
+    merged = pickle.loads(pickle.dumps(ranks[0])).aggregate(pickle.loads(pickle.dumps(ranks[1])))
+    assert sorted(merged.reported) == sorted([a.id, a.id, b.id, c.id, c.id, d.id, d.id]) and merged.statuses == {
+        a.id: Status.FAILED}
+    s.update_connector_output(merged)
+    assert s.directory.lookup([c.key, d.key]) == ["host", "host"]  # both ranks: OK at once
+    assert s.directory.lookup([a.key]) == [] and a.key not in s.directory  # one rank failed it
+    assert s.inflight.stores == 1  # r1's plan waits for rank 1's report of b
+    s.update_connector_output(KVTierWorkerMetadata([b.id]))
+    assert s.inflight.stores == 0 and not s.inflight.busy()
 
 
 def test_a_restart_with_tensor_parallelism_recovers_and_bounds_every_rank(tmp_path):
@@ -418,7 +442,7 @@ def test_blocks_fetched_after_a_local_hit_are_served_and_never_kept_as_orphans(r
     load = s.build_connector_meta(STEP).loads[0]
     assert [(st.src, st.dst) for c in load.chains for st in c] == [("redis", "caller")] * 2
     assert keys[1] not in d and keys[2] not in d and not d.retiring() and d.orphans() == 0
-    s.update_connector_output(KVTierWorkerMetadata({st.id: (Status.OK, 1) for c in load.chains for st in c}), {"R"})
+    s.update_connector_output(KVTierWorkerMetadata([st.id for c in load.chains for st in c]), {"R"})
     assert not d.pinned() and d.tier["host"].used_blocks == 0
 
 
@@ -673,3 +697,32 @@ def test_a_request_is_charged_to_the_tier_whose_part_of_its_load_took_longest(re
     of a load, and the request goes to the tier that took longest."""
     assert charged(redis_server, tmp_path, slow="disk") == [("disk", "off")]
     assert charged(redis_server, tmp_path, slow="redis") == [("redis", "off")]
+
+
+@pytest.mark.parametrize("per", [1, 4])
+def test_a_requests_blocks_and_tokens_worked_out_in_bulk_are_what_each_block_gives(per: int):
+    """The scheduler half works out a long request's engine blocks per kvtier block, and the tokens each tier
+    serves it, from slices and counts rather than block by block: the same as the per-block rules, on random
+    requests (a load starting inside a kvtier block vLLM partly holds, ending inside one)."""
+    import random
+    from collections import Counter
+
+    from kvtier.integrations.vllm.scheduler import tokens_served
+
+    geo = Geometry(engine_block_size=16, block_tokens=16 * per, engine_block_nbytes=P, world_size=1, model="m",
+                   dtype="bf16", kv_layout="x", hash_algo="sha256", tenant_salt="")
+    config = parse_config({"cpu_bytes_to_use": 4 * 4 * P * per, "block_size": 16 * per, "engine_block_size": 16})
+    half, bt, rng = SchedulerSide(config, geo), 16 * per, random.Random(per)
+    for _ in range(2000):
+        first, n = rng.randrange(0, 8), rng.randrange(0, 12)
+        local, end = rng.randrange(0, (first + 2) * bt), rng.randrange(0, (first + n + 2) * bt)
+        sources = [rng.choice(["host", "disk", "redis"]) for _ in range(n)]
+        expected: Counter = Counter()
+        for i, source in enumerate(sources):
+            expected[source] += max(0, min((first + i + 1) * bt, end) - max((first + i) * bt, local))
+        assert tokens_served(sources, first, bt, local, end) == expected
+        engine_ids = rng.sample(range(10_000), (first + n) * per + 1)
+        held, stop = local // 16, end // 16
+        assert half._engine_blocks(engine_ids, first, n, held, end) == [
+            [engine_ids[j] if held <= j < stop else None for j in range(b * per, b * per + per)]
+            for b in range(first, first + n)]

@@ -54,17 +54,14 @@ def chain_route(keys: Sequence[bytes], blocks: int) -> bytes | None:
     return keys[min(blocks, len(keys)) - 1] if keys and blocks > 0 else None
 
 
-def precomputed_keys(hashes: Iterable[bytes | int], group: int | None = None) -> list[bytes]:
+def precomputed_keys(hashes: Iterable[bytes | int], group: int | None = None, salt: bytes = b"") -> list[bytes]:
     """Engine-made block hashes used as keys without re-hashing (ints become 16 big-endian bytes).
 
-    `group` (vLLM's KV-cache group id) is appended so that groups of a hybrid model never collide.
+    `group` (vLLM's KV-cache group id) is appended so that groups of a hybrid model never collide; `salt` after it
+    (a cache generation).
     """
-    suffix = b"" if group is None else group.to_bytes(2, "big")
-    out = []
-    for h in hashes:
-        raw = h.to_bytes(16, "big", signed=False) if isinstance(h, int) else bytes(h)
-        out.append(raw + suffix)
-    return out
+    suffix = (b"" if group is None else group.to_bytes(2, "big")) + salt
+    return [(h.to_bytes(16, "big", signed=False) if isinstance(h, int) else bytes(h)) + suffix for h in hashes]
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """`scheduler_ms_per_request`: what one long request costs vLLM's scheduler thread in kvtier's directory.
 
 The connector plans on the scheduler thread: a request's lookup, its load plan (`plan_load`) when it is
-scheduled, its store plan (`plan_store`) when it finishes, and the completions the workers report back
-(`load`: lookup + plan_load + completions + finish_load; `store`: plan_store + completions). For
+scheduled, its store plan (`plan_store`) when it finishes, and the completions the workers report back, taken
+as the connector's scheduler half takes one rank's reports (`InFlight`; `load`: lookup + plan_load +
+completions, the last of which unpins the load; `store`: plan_store + completions). For
 a 32k- and a 128k-token prompt in 16-token blocks (vLLM's GPU block size), on a warm host tier, with and
 without eviction (a store into a full tier evicts as many blocks as it stores), and for the store of host + disk
 (a full host tier demoting what it evicts to a full disk tier, which evicts as many), each is timed and set beside
@@ -10,7 +11,8 @@ vLLM's own hashing of the same prompt, measured in the same run (`hash_block_tok
 sha256, block by block as `get_request_block_hasher` does): a ratio, lower is better (target <= 0.25 for
 store and for load at 128k tokens). The 128k prompt is measured again in kvtier blocks of 256 tokens, 16 of vLLM's
 each (`block_size: 256`, what a long-context deployment sets): the directory then sees 16 times fewer blocks,
-while vLLM still hashes every 16 tokens. Medians of alternating rounds, spread kept. A row of `kvtier bench`:
+while vLLM still hashes every 16 tokens. Medians of alternating rounds, spread kept. A row of `kvtier bench`,
+with the connector's rows (`kvtier.bench.connector`):
 
     python -m kvtier.bench.scheduler
 """
@@ -20,13 +22,18 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from kvtier.directory import Directory, TierSpec
+from kvtier.directory import Directory, Plan, TierSpec
 from kvtier.layout import ALIGN
 from kvtier.sim.instant_mover import complete_instantly
 from kvtier.stores.base import TierKind
 from kvtier.timing import alternate, fresh_keys
+
+if TYPE_CHECKING:
+    from kvtier.integrations.vllm.inflight import Kind
 
 BLOCK_TOKENS = 16  # vLLM's GPU block size, and kvtier's block_size by default inside vLLM
 LARGE_BLOCK_TOKENS = 256  # kvtier blocks of 16 engine blocks (LMCache's default chunk)
@@ -55,17 +62,21 @@ def vllm_hashing(n_tokens: int) -> Callable[[], float]:
     return one
 
 
-class _Directory:
+class WarmDirectory:
     """A warm host tier (and a disk tier below it, with `demote`) and the rounds that plan a request's store or
-    load on it, completions included."""
+    load on it, completions included: reported by one rank and taken as the connector's scheduler half takes them
+    (`InFlight`: the plan shipped, the rank's report counted, the steps completed)."""
 
     def __init__(self, blocks: int, evict: bool, rounds: int, demote: bool = False) -> None:
+        from kvtier.integrations.vllm.inflight import InFlight
+
         room = 2 * blocks if evict or demote else (rounds + 3) * blocks
         specs = [TierSpec("host", room * ALIGN, ALIGN, kind=TierKind.HOST)]
         if demote:  # admitting all, as `min_sightings: 1` does
             specs.append(TierSpec("disk", DISK_ROOM * blocks * ALIGN, ALIGN, kind=TierKind.DISK))
             room += DISK_ROOM * blocks
         self.directory = Directory(specs)
+        self.inflight = InFlight(self.directory, world_size=1, block_nbytes=ALIGN)
         self.blocks = blocks
         while (evict or demote) and len(self.directory) < room:  # full before the first round: a store evicts
             others = fresh_keys(min(blocks, room - len(self.directory)))  # as many as it adds (in each tier)
@@ -76,19 +87,30 @@ class _Directory:
     def store(self) -> float:
         keys = fresh_keys(self.blocks)
         start = time.perf_counter()
-        complete_instantly(self.directory, self.directory.plan_store(keys))
+        self._completed(self.directory.plan_store(keys), "store")
         return time.perf_counter() - start
 
     def load(self) -> float:
         start = time.perf_counter()
         found = len(self.directory.lookup(self.loaded))  # the connector's get_num_new_matched_tokens
         plan = self.directory.plan_load(self.loaded[:found])
-        complete_instantly(self.directory, plan)
-        self.directory.finish_load(plan)
+        self._completed(plan, "load")  # its last report unpins the load (`finish_load`)
         elapsed = time.perf_counter() - start
         if len(plan.keys) != self.blocks:
             raise RuntimeError(f"scheduler bench: a load found {len(plan.keys)} of {self.blocks} blocks")
         return elapsed
+
+    def _completed(self, plan: Plan, kind: Kind) -> None:
+        """`plan` shipped and every step of it reported OK; then the same for the deletes it left."""
+        self._reported(plan, kind)
+        garbage = self.directory.take_garbage()
+        if garbage:
+            self._reported(Plan([[step] for step in garbage]), "delete")
+
+    def _reported(self, plan: Plan, kind: Kind) -> None:
+        self.inflight.ship(plan, kind)
+        if len(self.inflight.report(Counter(step.id for chain in plan.chains for step in chain), {})) != 1:
+            raise RuntimeError(f"scheduler bench: a {kind} plan was not done once every step was reported")
 
 
 def _case(n_tokens: int, evict: bool, rounds: int, tick: Callable[[], None] = lambda: None,
@@ -96,19 +118,24 @@ def _case(n_tokens: int, evict: bool, rounds: int, tick: Callable[[], None] = la
     """One prompt's load and store on a host tier with room or evicting; with `demote`, the store of host + disk.
     `block_tokens`: kvtier's block size (vLLM hashes 16-token blocks whatever it is)."""
     blocks = n_tokens // block_tokens
-    d = _Directory(blocks, evict, rounds, demote)
+    d = WarmDirectory(blocks, evict, rounds, demote)
     hashing = vllm_hashing(n_tokens)
     figures: dict = {"tokens": n_tokens, "block_tokens": block_tokens, "blocks": blocks, "evict": evict or demote,
                      "demote": demote}
     parts = [("store", d.store)] if demote else [("load", d.load), ("store", d.store)]  # a load: the same as evicting
     for name, ours in parts:  # loads first: stores that evict take the chain
-        pairs = alternate(ours, hashing, rounds, tick)
-        ratios = [o / b for o, b in zip(pairs["ours_s"], pairs["baseline_s"])]
-        figures[f"{name}_ms"] = round(statistics.median(pairs["ours_s"]) * 1e3, 2)
-        figures[f"{name}_vllm_hashing_ms"] = round(statistics.median(pairs["baseline_s"]) * 1e3, 2)
-        figures[f"{name}_ratio"] = round(statistics.median(ratios), 3)
-        figures[f"{name}_ratio_runs"] = [round(r, 3) for r in ratios]
+        figures.update(paired(name, ours, hashing, rounds, tick))
     return figures
+
+
+def paired(name: str, ours: Callable[[], float], hashing: Callable[[], float], rounds: int,
+            tick: Callable[[], None]) -> dict:
+    """`ours` and vLLM's hashing in alternating rounds: the medians, their ratio, and each round's ratio."""
+    pairs = alternate(ours, hashing, rounds, tick)
+    ratios = [o / b for o, b in zip(pairs["ours_s"], pairs["baseline_s"])]
+    return {f"{name}_ms": round(statistics.median(pairs["ours_s"]) * 1e3, 2),
+            f"{name}_vllm_hashing_ms": round(statistics.median(pairs["baseline_s"]) * 1e3, 2),
+            f"{name}_ratio": round(statistics.median(ratios), 3), f"{name}_ratio_runs": [round(r, 3) for r in ratios]}
 
 
 def collector(blocks: int = GC_BLOCKS, rounds: int = 3, stores: int = 12) -> dict:
@@ -198,9 +225,9 @@ def run(quick: bool = False, tick: Callable[[], None] = lambda: None) -> dict:
 
     return {"block_tokens": BLOCK_TOKENS, "cases": cases, "scheduler_vs_vllm_hashing": worst(BLOCK_TOKENS),
             "large_blocks_vs_vllm_hashing": worst(LARGE_BLOCK_TOKENS), "target": TARGET, "collector": pause,
-            "what": "lookup + plan_load / plan_store + every step's completion (kvtier.sim.instant_mover), warm host "
-                    "tier (and a full disk tier below it: demote), against vLLM's hash_block_tokens (sha256) of the "
-                    "same prompt"}
+            "what": "lookup + plan_load / plan_store + every step's completion as the connector takes one rank's "
+                    "reports (InFlight), warm host tier (and a full disk tier below it: demote), against vLLM's "
+                    "hash_block_tokens (sha256) of the same prompt"}
 
 
 if __name__ == "__main__":

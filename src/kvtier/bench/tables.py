@@ -77,6 +77,21 @@ def print_scheduler(console: Console, figures: dict) -> None:
                           f"{case[f'{part}_ms']:.1f} ms", f"{case[f'{part}_vllm_hashing_ms']:.1f} ms", f"{ratio:.2f}",
                           f"{len(runs)} ({min(runs):.2f}-{max(runs):.2f})", f"≤ {figures['target']}" if long else "",
                           met)
+    if "connector" in figures:  # the same request through the connector's hooks, on vLLM's own Request
+        hooks = figures["connector"]
+        for part, what in (("hit", "hooks: found, loaded, finished"), ("miss", "hooks: missed, stored")):
+            runs = hooks[f"{part}_ratio_runs"]
+            table.add_row(f"{hooks['tokens'] // 1024}k tok, connector", what, f"{hooks[f'{part}_ms']:.1f} ms",
+                          f"{hooks[f'{part}_vllm_hashing_ms']:.1f} ms", f"{hooks[f'{part}_ratio']:.2f}",
+                          f"{len(runs)} ({min(runs):.2f}-{max(runs):.2f})", "", "")
+    if "sent" in figures:  # what vLLM's multiprocess executor pickles on the same thread, for its ranks
+        sent = figures["sent"]
+        for part in ("load", "store"):
+            runs = sent[f"{part}_sent_ratio_runs"]
+            table.add_row(f"{sent['tokens'] // 1024}k tok, sent to ranks", f"{part} job pickled",
+                          f"{sent[f'{part}_sent_ms']:.1f} ms", f"{sent[f'{part}_sent_vllm_hashing_ms']:.1f} ms",
+                          f"{sent[f'{part}_sent_ratio']:.2f}", f"{len(runs)} ({min(runs):.2f}-{max(runs):.2f})", "",
+                          f"unpickled {sent[f'{part}_received_ms']:.1f} ms")
     console.print(table)
     if "collector" in figures:
         c = figures["collector"]

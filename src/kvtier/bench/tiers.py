@@ -37,7 +37,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvtier.bench import redis_cluster_tier, redis_tier, scheduler, simulator
+from kvtier.bench import connector, redis_cluster_tier, redis_tier, scheduler, simulator
 from kvtier.bench.disk import disk_case
 from kvtier.bench.host import host_case
 from kvtier.bench.lookup import lookup_case
@@ -139,7 +139,7 @@ def run(json_path: str | None, quick: bool = False, root: str | None = None) -> 
             tasks |= {"disk write+read": reps + 1}
             tasks |= {f"disk {size_name(b)}": reps + 1 for b in sizes.disk_more_blocks}
             tasks |= {"directory build": 1, "lookup": 2 * (reps + 1),
-                      "scheduler": scheduler.ticks(quick)}
+                      "scheduler": scheduler.ticks(quick), "connector": connector.connector_ticks(quick)}
             ids = {name: progress.add_task(name, total=total) for name, total in tasks.items()}
 
             def tick(name: str) -> Callable[[], None]:
@@ -172,6 +172,7 @@ def run(json_path: str | None, quick: bool = False, root: str | None = None) -> 
             result["lookup_keys_per_s_overall"] = "minimum over block sizes"
             result["lookup"] = lookup
             result["scheduler"] = scheduler.run(quick, tick("scheduler"))
+            result["scheduler"] |= connector.connector_rows(quick, tick("connector"))
             for name in ("scheduler_vs_vllm_hashing", "large_blocks_vs_vllm_hashing"):
                 result[name] = result["scheduler"][name]
     finally:

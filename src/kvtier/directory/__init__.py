@@ -9,10 +9,10 @@ bounded memories `recency` and `sightings`.
 
 from kvtier.directory.blocks import Block, Copy, CopyState
 from kvtier.directory.directory import Directory, TierUsage
-from kvtier.directory.plan import CALLER, Op, Plan, Status, Step
+from kvtier.directory.plan import CALLER, Op, Plan, Status, Step, pack_chains, unpack_chains
 from kvtier.directory.room import NoRoom
 from kvtier.directory.stats import DirectoryStats
 from kvtier.directory.tiers import SharedSpec, Tier, TierSpec
 
 __all__ = ["CALLER", "Block", "Copy", "CopyState", "Directory", "DirectoryStats", "NoRoom", "Op", "Plan",
-           "SharedSpec", "Status", "Step", "Tier", "TierSpec", "TierUsage"]
+           "SharedSpec", "Status", "Step", "Tier", "TierSpec", "TierUsage", "pack_chains", "unpack_chains"]

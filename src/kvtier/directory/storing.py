@@ -188,6 +188,8 @@ class StorePlanner:
         copy of a promoted one), touch the others; leaf first, so that ancestors end up more recent than
         descendants."""
         table = self.table
+        if not new and not promoted and self._touch_whole(blocks):
+            return
         first = table.tiers[0].name
         for block in reversed(blocks):
             if table.blocks.get(block.key) is not block:  # dropped while planning (retiring until its steps end)
@@ -198,6 +200,17 @@ class StorePlanner:
                     policy.insert(block.key, block.priority)
                 elif copy.state is CopyState.READY and block.key in policy:
                     policy.touch(block.key)
+
+    def _touch_whole(self, blocks: Sequence[Block]) -> bool:
+        """What `_order_stored` does for a chain the directory had whole (a hit's request ending), each tier's
+        touches in one call: with nothing inserted, only each policy's own order counts. True: done."""
+        table, ready = self.table, CopyState.READY
+        live = [block for block in reversed(blocks) if table.blocks.get(block.key) is block]
+        for tier in table.tiers:
+            name, policy = tier.name, tier.policy
+            policy.touch_many([block.key for block in live if (copy := block.copies.get(name)) is not None
+                               and copy.state is ready and block.key in policy])
+        return True
 
     def _refusal(self, key: bytes, parent_key: bytes | None, priority: int, first: Tier) -> str | None:
         """Why a new block is not stored (None: it is)."""

@@ -7,6 +7,7 @@ reported it, with the worst status any of them saw. A plan is done when its last
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -25,8 +26,9 @@ class Pending:
     kind: Kind
     request_id: str  # the request a load or store is for
     queued: Counter = field(default_factory=Counter)  # a load: its bytes per tier, queued until it completes
-    reports: Counter = field(default_factory=Counter)  # step id -> ranks that reported it
-    statuses: dict[int, Status] = field(default_factory=dict)  # step id -> the worst status a rank reported
+    # a step whose ranks report it over several messages: the ranks so far, and the worst status they reported
+    reports: Counter = field(default_factory=Counter)
+    statuses: dict[int, Status] = field(default_factory=dict)
 
 
 class InFlight:
@@ -56,28 +58,33 @@ class InFlight:
             self.stores += 1
         return pending
 
-    def report(self, completions: dict[int, tuple[Status, int]]) -> list[Pending]:
-        """Ranks' reports of steps (step id -> (worst status, ranks reporting)); the plans now done. The steps
-        complete in the order reported, in batches of one status (`Directory.complete_many`), each batch before
-        the end of a plan."""
+    def report(self, reports: Mapping[int, int], statuses: Mapping[int, Status]) -> list[Pending]:
+        """Ranks' reports of steps (step id -> ranks that reported it; `statuses`: the worst status a rank saw,
+        where it is not OK); the plans now done. A step every rank reported in one message (the common case)
+        completes at once; one whose ranks report over several messages is counted until they all have. The
+        steps complete in the order reported, in batches of one status (`Directory.complete_many`), each batch
+        before the end of a plan."""
         done: list[Pending] = []
         batch: list[Step] = []
-        batch_status = Status.OK
-        for step_id, (status, reports) in completions.items():
-            plan_id = self._plan_of_step.get(step_id)
+        batch_status = ok = Status.OK
+        plan_of_step, plans, world_size = self._plan_of_step, self._pending, self.world_size
+        for step_id, n in reports.items():
+            plan_id = plan_of_step.get(step_id)
             if plan_id is None:
                 continue
-            pending = self._pending[plan_id]
-            pending.reports[step_id] += reports
-            pending.statuses[step_id] = worst(pending.statuses.get(step_id, Status.OK), status)
-            if pending.reports[step_id] < self.world_size:
-                continue  # a block is only whole once every rank has its shard: the worst status counts
-            step, step_status = pending.steps.pop(step_id), pending.statuses.pop(step_id)
-            if step_status is not batch_status:
+            pending = plans[plan_id]
+            status = statuses.get(step_id, ok)
+            if n < world_size or step_id in pending.reports:  # a quorum gathered over several messages
+                pending.reports[step_id] += n
+                status = pending.statuses[step_id] = worst(pending.statuses.get(step_id, ok), status)
+                if pending.reports[step_id] < world_size:
+                    continue  # a block is only whole once every rank has its shard: the worst status counts
+            step = pending.steps.pop(step_id)
+            if status is not batch_status:
                 self.directory.complete_many(batch, batch_status)
-                batch, batch_status = [], step_status
+                batch, batch_status = [], status
             batch.append(step)
-            del self._plan_of_step[step_id]
+            del plan_of_step[step_id]
             if not pending.steps:
                 self.directory.complete_many(batch, batch_status)
                 batch = []

@@ -77,7 +77,7 @@ class Lookup:
             return 0, False
         blocks = -(-(end - first * bt) // bt)
         fetch = blocks > len(sources)
-        sync = not fetch and all(self.directory.kind(s) is TierKind.HOST for s in sources[:blocks])  # module doc
+        sync = not fetch and all(self.directory.kind(s) is TierKind.HOST for s in set(sources[:blocks]))  # module doc
         state.promise = Promise(first, blocks, end, num_computed_tokens, fetch, sync, tuple(found[:blocks]))
         return promised, not sync
 

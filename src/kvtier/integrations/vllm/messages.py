@@ -7,15 +7,28 @@ from typing import NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvtier.directory import Status, Step
+from kvtier.directory import Status, Step, pack_chains, unpack_chains
 
 # Where a block's bytes sit in the engine: per kvtier block, the engine block id of each of its sub-blocks;
 # None for a sub-block the engine already holds (a load that starts mid-block skips it).
 EngineBlocks = list[int | None]
 
 
+class _PackedChains:
+    """A job whose chains pickle packed (`pack_chains`): vLLM's multiprocess executor pickles each step's
+    metadata on the scheduler's thread, and a long prompt's job has a step per block."""
+
+    chains: list[list[Step]]
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "chains": pack_chains(self.chains)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, chains=unpack_chains(state["chains"]))
+
+
 @dataclass
-class LoadJob:
+class LoadJob(_PackedChains):
     request_id: str
     chains: list[list[Step]]
     targets: list[EngineBlocks]  # GET step index -> engine blocks to fill
@@ -36,7 +49,7 @@ class LoadTiming(NamedTuple):
 
 
 @dataclass
-class StoreJob:
+class StoreJob(_PackedChains):
     request_id: str
     chains: list[list[Step]]
     sources: list[EngineBlocks]  # PUT step index -> engine blocks to read
@@ -55,21 +68,19 @@ class KVTierMetadata(KVConnectorMetadata):
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     """Step completions of one engine step, from every worker. A step is done once all ranks reported it;
-    its status is the worst any rank saw (a block is only whole if every shard of it is)."""
+    its status is the worst any rank saw (a block is only whole if every shard of it is). Kept as what merges
+    cheaply: vLLM merges the ranks' one pair at a time, and a long prompt's plan reports a step per block."""
 
-    completions: dict[int, tuple[Status, int]] = field(default_factory=dict)  # step id -> (status, reports)
+    reported: list[int] = field(default_factory=list)  # step ids, once for each rank that reported the step
+    statuses: dict[int, Status] = field(default_factory=dict)  # step id -> the worst status, where it is not OK
     transfers: list[LoadTiming] = field(default_factory=list)  # each tier's part of each load
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
-        merged = dict(self.completions)
-        for step_id, (status, n) in other.completions.items():
-            if step_id in merged:
-                mine, m = merged[step_id]
-                merged[step_id] = (worst(mine, status), m + n)
-            else:
-                merged[step_id] = (status, n)
-        return KVTierWorkerMetadata(merged, self.transfers + other.transfers)
+        statuses = dict(self.statuses)
+        for step_id, status in other.statuses.items():
+            statuses[step_id] = worst(statuses.get(step_id, Status.OK), status)
+        return KVTierWorkerMetadata(self.reported + other.reported, statuses, self.transfers + other.transfers)
 
 
 _RANK = {Status.OK: 0, Status.FAILED: 1, Status.SOURCE_LOST: 2}

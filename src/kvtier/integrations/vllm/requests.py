@@ -31,3 +31,5 @@ class RequestState:
     served: Counter = field(default_factory=Counter)  # tokens its load takes from each kind of tier, until asked
     returning: bool = False  # back from an asynchronous load: its lookup was counted when the load started
     finished: bool = False  # vLLM finished it before its load was reported: forgotten once it is
+    keys: list[bytes] = field(default_factory=list)  # its kvtier keys so far (`SchedulerSide._keys`)
+    generation: bytes = b""  # the cache generation they were made in

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import Counter
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier.config import KVTierConfig
@@ -74,18 +75,18 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._requests.setdefault(request.request_id, RequestState())
-        return self.lookup.match(request, num_computed_tokens, self._keys(request), state)
+        return self.lookup.match(request, num_computed_tokens, self._keys(request, state), state)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._requests.setdefault(request.request_id, RequestState())
         promise, state.promise = state.promise, None
         if num_external_tokens <= 0 or promise is None:  # vLLM may take none of it (e.g. it skips prefix reads)
-            self._count_lookup(request, state, state.local_tokens, [])
+            self._count_lookup(request, state, state.local_tokens, Counter())
             return
         # vLLM has not updated request.num_computed_tokens yet (and after a failed load it is stale): the local
         # hit it told us in get_num_new_matched_tokens is the truth about which engine blocks it already holds.
         first, promised, end, local, fetch, sync, found = promise
-        all_keys = self._keys(request)
+        all_keys = self._keys(request, state)
         keys = all_keys[first : first + promised]
         engine_ids = blocks.get_block_ids()[0]
         held = local // self.geo.engine_block_size  # engine blocks vLLM already has
@@ -95,33 +96,33 @@ class SchedulerSide:
                                         route=chain_route(all_keys, self._route_blocks))
         self.control.served(request, plan.sources, engine_hit=local > 0)
         bt = self.geo.block_tokens
-        tokens = [max(0, min((first + i + 1) * bt, end) - max((first + i) * bt, local)) for i in range(len(keys))]
-        served = list(zip(plan.sources, tokens))  # tokens each tier really serves to this request
+        loaded = len(plan.keys)
+        served = tokens_served(plan.sources, first, bt, local, end)  # tokens each tier really serves it
         self._count_lookup(request, state, local, served)
         state.served = Counter()
-        for source, n in served:
+        for source, n in served.items():
             state.served[self.directory.kind(source)] += n
         # what the load could not take (a transfer of ours on the block since the lookup): vLLM recomputes it
-        for source, n in zip(found[len(plan.keys) :], tokens[len(plan.keys) :]):
-            self.stats.shortfall[source] += n
-        targets = [self._engine_blocks(engine_ids, first + i, held, end) for i in range(len(keys))]
+        self.stats.shortfall.update(tokens_served(found[loaded:], first + loaded, bt, local, end))
+        targets = self._engine_blocks(engine_ids, first, len(keys), held, end)
         unavailable = [b for t in targets[len(plan.keys) :] for b in t if b is not None]
         state.loading = sync
         if sync and not plan.steps:  # nothing to run: vLLM learns of the shortfall from this step's output
             self._settling.add(request.request_id)
         self._ship(plan, "load", request.request_id)
-        self._loads.append(LoadJob(request.request_id, plan.chains, targets[: len(plan.keys)], list(plan.sources),
+        self._loads.append(LoadJob(request.request_id, plan.chains, targets[:loaded], list(plan.sources),
                                    unavailable, sync))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Store the request's computed full blocks; hold its engine blocks until the workers copied them."""
         self.control.finished(request)
+        state = self._requests.get(request.request_id)
         if self._forget(request.request_id):
             # Finished (aborted) before vLLM learnt how its load ended: num_computed_tokens still counts the
             # promise, blocks that never arrive included. vLLM frees its blocks once the load is reported.
             return False, None
         computed = min(request.num_computed_tokens, len(request.block_hashes) * self.geo.engine_block_size)
-        keys = self._keys(request)[: computed // self.geo.block_tokens]
+        keys = self._keys(request, state)[: computed // self.geo.block_tokens]
         if not keys:
             return False, None
         if self.inflight.stores >= self.config.queue_depth:
@@ -134,7 +135,7 @@ class SchedulerSide:
         if self.events is not None:
             self.events.remember(request, keys, self.geo.block_tokens)
         self._ship(plan, "store")
-        sources = [self._engine_blocks(block_ids, i, 0, len(keys) * self.geo.block_tokens) for i in range(len(keys))]
+        sources = self._engine_blocks(block_ids, 0, len(keys), 0, len(keys) * self.geo.block_tokens)
         self._stores.append(StoreJob(request.request_id, plan.chains, sources, holds=holds))
         return holds, None
 
@@ -181,7 +182,7 @@ class SchedulerSide:
         if worker_meta is None:
             return
         self.control.transferred(worker_meta.transfers)
-        for pending in self.inflight.report(worker_meta.completions):
+        for pending in self.inflight.report(Counter(worker_meta.reported), worker_meta.statuses):
             if pending.kind == "load":
                 self.control.landed(pending)
                 state = self._requests.get(pending.request_id)
@@ -230,9 +231,9 @@ class SchedulerSide:
         if state.finished:
             del self._requests[request_id]
 
-    def _count_lookup(self, request: Request, state: RequestState, local: int, served: list[tuple[str, int]]) -> None:
+    def _count_lookup(self, request: Request, state: RequestState, local: int, served: Counter) -> None:
         """The tokens of a request's full kvtier blocks by source: vLLM's own hit (`local` tokens), each tier's
-        (`served`: a tier and the tokens it serves, a block's part vLLM holds or recomputes left out), the rest
+        (`served`: a tier -> the tokens it serves, a block's part vLLM holds or recomputes left out), the rest
         recomputed."""
         if request.num_preemptions > 0 or state.returning:  # counted before, as vLLM does
             state.returning = False
@@ -242,21 +243,33 @@ class SchedulerSide:
         counts = self.stats.lookup_tokens
         engine = min(local, total)
         counts["engine"] += engine
-        for source, n in served:
-            counts[source] += n
-        counts["miss"] += total - engine - sum(n for _, n in served)
+        counts.update(served)
+        counts["miss"] += total - engine - sum(served.values())
 
-    def _keys(self, request: Request) -> list[bytes]:
+    def _keys(self, request: Request, state: RequestState | None = None) -> list[bytes]:
+        """The request's keys, one per full kvtier block of its hashes so far; kept in its `state` and extended as
+        its hashes grow, so that a long prompt's keys are made once, not at each hook."""
         per = self.geo.block_tokens // self.geo.engine_block_size
-        hashes = request.block_hashes[per - 1 :: per]
-        return [key + self._generation for key in precomputed_keys(hashes, group=0)]
+        known = state.keys if state is not None and state.generation == self._generation else []
+        hashes = request.block_hashes[len(known) * per + per - 1 :: per]
+        keys = known + precomputed_keys(hashes, group=0, salt=self._generation) if hashes else known
+        if state is not None:
+            state.keys, state.generation = keys, self._generation
+        return keys
 
-    def _engine_blocks(self, engine_ids: list[int], kvtier_block: int, held: int, end_token: int) -> EngineBlocks:
-        """The engine blocks of one kvtier block; None for those before `held` or from `end_token` on."""
+    def _engine_blocks(self, engine_ids: list[int], first: int, count: int, held: int,
+                       end_token: int) -> list[EngineBlocks]:
+        """The engine blocks of kvtier blocks `first` to `first + count - 1`, each a list; None for those before
+        `held` or from `end_token` on."""
         per = self.geo.engine_blocks_per_block
-        start = kvtier_block * per
-        stop = end_token // self.geo.engine_block_size
-        return [engine_ids[j] if held <= j < stop else None for j in range(start, start + per)]
+        start, stop = first * per, (first + count) * per
+        lo = min(max(held, start), stop)
+        hi = max(lo, min(end_token // self.geo.engine_block_size, stop))
+        middle: list[int | None] = list(engine_ids[lo:hi])
+        if len(middle) != hi - lo:
+            raise IndexError(f"{len(engine_ids)} engine blocks, {hi} needed")
+        ids = [None] * (lo - start) + middle + [None] * (stop - hi)
+        return [[i] for i in ids] if per == 1 else [ids[k : k + per] for k in range(0, len(ids), per)]
 
     def _ship(self, plan: Plan, kind: Kind, request_id: str = "") -> None:
         pending = self.inflight.ship(plan, kind, request_id)
@@ -268,3 +281,20 @@ class SchedulerSide:
         if garbage:
             self._ship(Plan(chains=[garbage]), "delete")
             self._deletes.extend(garbage)
+
+
+def tokens_served(sources: Sequence[str], first: int, block_tokens: int, local: int, end: int) -> Counter:
+    """The tokens each source serves a request: `sources[i]` serves kvtier block `first + i`, its tokens from
+    `local` (what vLLM holds) up to `end`. The blocks in between are whole and counted by source at once; only
+    the edges are worked out block by block."""
+    n, bt = len(sources), block_tokens
+
+    def part(i: int) -> int:
+        return max(0, min((first + i + 1) * bt, end) - max((first + i) * bt, local))
+
+    lo = min(n, max(0, -(-local // bt) - first))  # blocks from `lo` to `hi` are whole
+    hi = max(lo, min(n, end // bt - first))
+    served = Counter({source: count * bt for source, count in Counter(sources[lo:hi]).items()})
+    for i in [*range(lo), *range(hi, n)]:
+        served[sources[i]] += part(i)
+    return served

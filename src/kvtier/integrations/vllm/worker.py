@@ -244,7 +244,7 @@ class WorkerSide:
             transfers, self._transfers = self._transfers, []
         if not done and not transfers:
             return None
-        return KVTierWorkerMetadata({i: (s, 1) for i, s in done.items()}, transfers)
+        return KVTierWorkerMetadata(list(done), {i: s for i, s in done.items() if s is not Status.OK}, transfers)
 
     def stats_payload(self) -> dict:
         """What the data plane did since the last call."""
