@@ -726,3 +726,25 @@ def test_a_requests_blocks_and_tokens_worked_out_in_bulk_are_what_each_block_giv
         assert half._engine_blocks(engine_ids, first, n, held, end) == [
             [engine_ids[j] if held <= j < stop else None for j in range(b * per, b * per + per)]
             for b in range(first, first + n)]
+
+
+def test_a_requests_keys_are_kept_as_its_hashes_grow_and_never_reused_for_other_hashes():
+    """The scheduler half makes a request's keys once and extends them as vLLM adds block hashes; keys kept for
+    other hashes under the same request id (an id used again), or made before a cache reset, are made afresh."""
+    from kvtier.integrations.vllm.requests import RequestState
+
+    s = SchedulerSide(parse_config({"cpu_bytes_to_use": 4 * P, "block_size": 16, "engine_block_size": 16}),
+                      geometry())
+    fresh = SchedulerSide(parse_config({"cpu_bytes_to_use": 4 * P, "block_size": 16, "engine_block_size": 16}),
+                          geometry())
+    state, hashes = RequestState(), [bytes([i]) * 32 for i in range(1, 6)]
+    first = s._keys(request("r", hashes[:3]), state)
+    assert first == fresh._keys(request("r", hashes[:3])) and state.keys is first
+    assert s._keys(request("r", hashes), state) == fresh._keys(request("r", hashes))  # grown by two
+    other = [bytes([i]) * 32 for i in range(9, 15)]  # vLLM's hashes are chained: another prompt's all differ
+    assert s._keys(request("r", other), state) == fresh._keys(request("r", other))  # under the same id
+    assert s._keys(request("r", hashes[:2]), state) == fresh._keys(request("r", hashes[:2]))  # fewer hashes
+    s.reset_cache()
+    after_reset = s._keys(request("r", hashes), state)
+    assert after_reset != fresh._keys(request("r", hashes)) and len(after_reset) == 5
+    assert after_reset == s._keys(request("r", hashes))  # the new generation's keys, made afresh

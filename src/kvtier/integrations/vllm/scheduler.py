@@ -105,7 +105,7 @@ class SchedulerSide:
         # what the load could not take (a transfer of ours on the block since the lookup): vLLM recomputes it
         self.stats.shortfall.update(tokens_served(found[loaded:], first + loaded, bt, local, end))
         targets = self._engine_blocks(engine_ids, first, len(keys), held, end)
-        unavailable = [b for t in targets[len(plan.keys) :] for b in t if b is not None]
+        unavailable = [b for t in targets[loaded:] for b in t if b is not None]
         state.loading = sync
         if sync and not plan.steps:  # nothing to run: vLLM learns of the shortfall from this step's output
             self._settling.add(request.request_id)
@@ -249,12 +249,16 @@ class SchedulerSide:
     def _keys(self, request: Request, state: RequestState | None = None) -> list[bytes]:
         """The request's keys, one per full kvtier block of its hashes so far; kept in its `state` and extended as
         its hashes grow, so that a long prompt's keys are made once, not at each hook."""
-        per = self.geo.block_tokens // self.geo.engine_block_size
-        known = state.keys if state is not None and state.generation == self._generation else []
+        per, salt = self.geo.block_tokens // self.geo.engine_block_size, self._generation
+        known = state.keys if state is not None and state.generation == salt else []
+        last = len(known) * per - 1  # the hash the last known key was made of (chained: it stands for all before it)
+        if known and (len(request.block_hashes) <= last
+                      or precomputed_keys([request.block_hashes[last]], group=0, salt=salt) != known[-1:]):
+            known = []
         hashes = request.block_hashes[len(known) * per + per - 1 :: per]
-        keys = known + precomputed_keys(hashes, group=0, salt=self._generation) if hashes else known
+        keys = known + precomputed_keys(hashes, group=0, salt=salt) if hashes else known
         if state is not None:
-            state.keys, state.generation = keys, self._generation
+            state.keys, state.generation = keys, salt
         return keys
 
     def _engine_blocks(self, engine_ids: list[int], first: int, count: int, held: int,
