@@ -20,6 +20,7 @@ ranks: `sent` times a request's load job and store job so, and unpickled, as eac
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import pickle
 import statistics
@@ -59,7 +60,7 @@ def hooks(n_tokens: int, rounds: int, tick: Callable[[], None] = lambda: None) -
     hasher = get_request_block_hasher(BLOCK_TOKENS, hash_fn)
     engine_ids = list(range(blocks))
     engine_blocks = KVCacheBlocks(([KVCacheBlock(i) for i in engine_ids],))
-    counter = iter(range(1 << 30))
+    counter = itertools.count()
     step = SchedulerOutput.make_empty()
     step.total_num_scheduled_tokens = 1  # a step that computes: no worker waits for its stores
 

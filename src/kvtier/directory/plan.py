@@ -56,7 +56,7 @@ def unpack_chains(packed: tuple[list[int], list[tuple]]) -> list[list[Step]]:
     """The chains `pack_chains` packed."""
     lengths, rows = packed
     steps = [Step(*row) for row in rows]
-    if len(steps) == len(lengths):  # one step per chain: a long prompt's loads and stores
+    if lengths.count(1) == len(lengths):  # one step per chain: a long prompt's loads and stores
         return [[step] for step in steps]
     chains, start = [], 0
     for n in lengths:
