@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 from hypothesis import example, given, settings
@@ -186,6 +187,53 @@ def test_decider_offers_the_longest_prefix_whose_load_beats_its_recompute():
     assert decider.blocks_to_load(["disk"] * 2, [256] * 2, now=1, count_as="disk") == 2
     decider.queued["host"] = 10_000 * block  # a long queue on the host link: its load loses too
     assert decider.blocks_to_load(["host"], [256], now=1) == 0
+
+
+def _winning_prefix_loop(decider: Decider, sources: list[str], tokens: list[int], now: float) -> int:
+    """The decision's rule as a loop over the prefixes: the longest whose load beats its recompute."""
+    loads = {tier: decider._load_seconds(tier, now) for tier in set(sources)}
+    best, recompute, blocks, per_token = 0, 0, Counter(), decider.prefill.per_token
+    for k, (tier, n) in enumerate(zip(sources, tokens), start=1):
+        blocks[tier] += 1
+        recompute += n
+        if sum(loads[t].seconds(b * decider.block_bytes) for t, b in blocks.items()) <= recompute * per_token:
+            best = k
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_the_decision_weighs_every_prefix_at_once_as_a_loop_over_them_would(seed):
+    """A long prompt's prefixes are weighed in one pass of array sums (a short one's, one by one): the same answer
+    as a loop over them, on tiers that win, lose, win only past their latency, or have fallen behind, in runs and
+    interleaved; and both ways give the same answer on any prompt, short or long."""
+    rng = random.Random(seed)
+    block = rng.choice([1 << 12, 1 << 15, 1 << 20])
+    bt = rng.choice([16, 256])
+    tokens_per_s = rng.uniform(1e3, 1e5)
+    decider = Decider("auto", None, prior_tokens_per_s=tokens_per_s, block_bytes=block)
+    tiers = rng.sample(["host", "disk", "redis"], rng.randint(1, 3))
+    for tier in tiers:
+        decider.transferred(tier, block, 100.0, now=0)  # warm-up, not a sample
+        per_block = bt / tokens_per_s * rng.uniform(0.1, 2)  # about what a block costs to recompute
+        latency = rng.choice([0, 1, 10]) * per_block  # such a tier may lose short prefixes and win long ones
+        for n in (1, 4, 16):
+            decider.transferred(tier, n * block, latency + n * per_block, now=0)
+        if rng.random() < 0.3:
+            decider.queued[tier] = rng.randint(0, 8) * block
+        if rng.random() < 0.2:  # a load in flight for long: the tier is behind
+            decider.shipped(object(), {tier: block}, now=1 - rng.uniform(0, 0.5))
+    sources: list[str] = []
+    while len(sources) < rng.choice([8, 3000]):
+        sources += [rng.choice(tiers)] * rng.randint(1, rng.choice([4, 400]))
+    tokens = [bt] * len(sources)
+    tokens[0] = rng.randint(1, bt)
+    tokens[-1] = rng.randint(1, bt)
+    assert decider.blocks_to_load(sources, tokens, now=1) == _winning_prefix_loop(decider, sources, tokens, now=1)
+    loads = {tier: decider._load_seconds(tier, now=1) for tier in dict.fromkeys(sources)}
+    per_token = decider.prefill.per_token
+    each = decider._weigh_each(sources, tokens, loads, per_token)
+    assert decider._weigh_all(sources, tokens, loads, per_token) == each
 
 
 def test_always_and_max_load_tokens():

@@ -701,12 +701,14 @@ def test_a_request_is_charged_to_the_tier_whose_part_of_its_load_took_longest(re
 
 @pytest.mark.parametrize("per", [1, 4])
 def test_a_requests_blocks_and_tokens_worked_out_in_bulk_are_what_each_block_gives(per: int):
-    """The scheduler half works out a long request's engine blocks per kvtier block, and the tokens each tier
-    serves it, from slices and counts rather than block by block: the same as the per-block rules, on random
-    requests (a load starting inside a kvtier block vLLM partly holds, ending inside one)."""
+    """The scheduler half works out a long request's engine blocks per kvtier block, the tokens each tier serves it,
+    and the tokens per block its lookup weighs, from slices and counts rather than block by block: the same as the
+    per-block rules, on random requests (a load starting inside a kvtier block vLLM partly holds, ending inside
+    one)."""
     import random
     from collections import Counter
 
+    from kvtier.integrations.vllm.lookup import tokens_by_block
     from kvtier.integrations.vllm.scheduler import tokens_served
 
     geo = Geometry(engine_block_size=16, block_tokens=16 * per, engine_block_nbytes=P, world_size=1, model="m",
@@ -721,6 +723,11 @@ def test_a_requests_blocks_and_tokens_worked_out_in_bulk_are_what_each_block_giv
         for i, source in enumerate(sources):
             expected[source] += max(0, min((first + i + 1) * bt, end) - max((first + i) * bt, local))
         assert tokens_served(sources, first, bt, local, end) == expected
+        lookup_first = local // bt  # the lookup weighs blocks from the one that holds the first token it lacks
+        weighed = [min((lookup_first + i + 1) * bt, end) - max((lookup_first + i) * bt, local) for i in range(n)]
+        while weighed and weighed[-1] <= 0:
+            weighed.pop()
+        assert tokens_by_block(lookup_first, n, bt, local, end) == weighed
         engine_ids = rng.sample(range(10_000), (first + n) * per + 1)
         held, stop = local // 16, end // 16
         assert half._engine_blocks(engine_ids, first, n, held, end) == [

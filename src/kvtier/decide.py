@@ -1,5 +1,5 @@
 """The decision: per request, how many of the blocks kvtier found to load, and how many to let the engine
-recompute. Pure Python, fed with measurements by its driver (the vLLM scheduler half, the simulator).
+recompute. Plain Python and numpy, fed with measurements by its driver (the vLLM scheduler half, the simulator).
 
 A load of the first k blocks is expected to take, per tier, its latency + (bytes queued on it + the bytes of its
 blocks among the k) / its bandwidth, summed over tiers, and no less than the oldest load still in flight on that
@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import combinations
+
+import numpy as np
 
 ALPHA = 0.2  # weight of the newest sample in the moving averages
 ESTIMATE_TTL_S = 10.0  # an idle tier's fit is forgotten this long after its last transfer
@@ -26,6 +29,7 @@ PREFILL_SAMPLES = 32  # prefill spans the engine's costs are fitted to
 REFIT_EVERY = 8  # new spans before the fit is redone, once PREFILL_SAMPLES are there
 SPREAD = 2.0  # two spans tell the cost per token from the fixed one if one computed this many times the tokens
 MIN_PAIRS = 8  # such pairs needed to fit the two costs apart
+WEIGHED_AT_ONCE = 32  # found blocks from which the decision weighs every prefix at once (numpy)
 LOAD, PARTIAL, RECOMPUTE = "load", "partial", "recompute"
 
 
@@ -179,29 +183,73 @@ class Decider:
         return best
 
     def _winning_prefix(self, sources: Sequence[str], tokens: Sequence[int], now: float) -> int:
-        per_tier = {t: self._load_seconds(t, now) for t in set(sources)}
-        per_token = self.prefill.per_token
+        """The longest prefix whose load wins. A long prompt is thousands of blocks, weighed on the scheduler's
+        thread: all its prefixes at once (`_weigh_all`); a short one, one by one (`_weigh_each`), where numpy's
+        own cost per call would be more. Both give the same answer to the bit (`tests/test_guard.py`)."""
+        per_token = self.prefill.per_token  # read even for no block: a read is what refits it
+        n = min(len(sources), len(tokens))
+        loads = {tier: self._load_seconds(tier, now) for tier in dict.fromkeys(sources[:n])}
+        weigh = self._weigh_each if n < WEIGHED_AT_ONCE else self._weigh_all
+        return weigh(sources[:n], tokens[:n], loads, per_token)
+
+    def _weigh_each(self, sources: Sequence[str], tokens: Sequence[int], loads: Mapping[str, LoadSeconds],
+                    per_token: float) -> int:
+        """`_winning_prefix`, a prefix at a time: the tiers' parts summed in the order the tiers first come."""
         best, recompute_tokens = 0, 0
         blocks: Counter[str] = Counter()
         for k, (tier, n) in enumerate(zip(sources, tokens), start=1):
             blocks[tier] += 1
             recompute_tokens += n
-            load_s = sum(per_tier[t](b * self.block_bytes) for t, b in blocks.items())
+            load_s = sum(loads[t].seconds(b * self.block_bytes) for t, b in blocks.items())
             if load_s <= recompute_tokens * per_token:
                 best = k
         return best
 
-    def _load_seconds(self, tier: str, now: float) -> Callable[[float], float]:
-        """Seconds a load of n more bytes from `tier` is expected to take: its fit, over the bytes queued there and
-        its own; and, once the oldest load in flight there has waited longer than the fit says the queue takes (the
-        tier is behind: stalled, or hung), no less than that wait."""
+    def _weigh_all(self, sources: Sequence[str], tokens: Sequence[int], loads: Mapping[str, LoadSeconds],
+                   per_token: float) -> int:
+        """`_winning_prefix`, every prefix at once (numpy), in the order and the arithmetic of `_weigh_each`."""
+        recompute = np.cumsum(np.asarray(tokens, dtype=np.int64)) * per_token
+        load_s = np.zeros(len(sources))
+        for tier, blocks in _blocks_by_tier(sources).items():
+            seconds = loads[tier].each(blocks * self.block_bytes)
+            load_s += np.where(blocks > 0, seconds, 0.0)  # a tier none of the prefix's blocks is on adds nothing
+        wins = np.flatnonzero(load_s <= recompute)
+        return int(wins[-1]) + 1 if len(wins) else 0
+
+    def _load_seconds(self, tier: str, now: float) -> LoadSeconds:
+        """What a load from `tier` is expected to take now (`LoadSeconds`)."""
         queued = self.queued[tier]
         latency, per_byte = self.links[tier].current(now, busy=queued > 0) if tier in self.links else (0.0, 0.0)
         waited = self.waited(tier, now)
-        behind = waited > latency + queued * per_byte
+        return LoadSeconds(latency, per_byte, queued, waited, behind=waited > latency + queued * per_byte)
 
-        def seconds(nbytes: float) -> float:
-            expected = latency + (queued + nbytes) * per_byte
-            return max(expected, waited) if behind else expected
 
-        return seconds
+@dataclass(frozen=True, slots=True)
+class LoadSeconds:
+    """Seconds a load of n more bytes from a tier is expected to take: its fit, over the bytes queued there and its
+    own; and, once the oldest load in flight there has waited longer than the fit says the queue takes (the tier is
+    behind: stalled, or hung), no less than that wait."""
+
+    latency: float
+    per_byte: float
+    queued: float
+    waited: float
+    behind: bool
+
+    def seconds(self, nbytes: float) -> float:
+        expected = self.latency + (self.queued + nbytes) * self.per_byte
+        return max(expected, self.waited) if self.behind else expected
+
+    def each(self, nbytes: np.ndarray) -> np.ndarray:
+        """`seconds` of every element of `nbytes`."""
+        expected = self.latency + (self.queued + nbytes) * self.per_byte
+        return np.maximum(expected, self.waited) if self.behind else expected
+
+
+def _blocks_by_tier(sources: Sequence[str]) -> dict[str, np.ndarray]:
+    """Each tier's blocks among the first k, for every k, in the order the tiers first come (the order a loop's sum
+    would add them in)."""
+    if sources.count(sources[0]) == len(sources):  # most prompts: one tier
+        return {sources[0]: np.arange(1, len(sources) + 1)}
+    names = np.asarray(sources)
+    return {tier: np.cumsum(names == tier) for tier in dict.fromkeys(sources)}

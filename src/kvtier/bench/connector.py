@@ -3,7 +3,8 @@
 `kvtier.bench.scheduler` times the directory's part; a request through the connector also costs the hooks'
 own work per block (its keys, the engine blocks of each kvtier block, the tokens each tier serves) and the
 reports of its steps. `hooks` drives `SchedulerSide` as `KVTierConnector` does, with vLLM's own `Request`
-(its block hashes made by vLLM when it is created, as the engine makes them) and a warm host tier with room:
+(its block hashes made by vLLM when it is created, as the engine makes them), the default configuration and a
+warm host tier with room:
 
 - `hit`: a prompt the host tier holds: `get_num_new_matched_tokens`, `update_state_after_alloc`, the step's
   metadata, the rank's reports of the load, and `request_finished` (its blocks are there: touched);
@@ -52,8 +53,8 @@ def hooks(n_tokens: int, rounds: int, tick: Callable[[], None] = lambda: None) -
     geometry = Geometry(engine_block_size=BLOCK_TOKENS, block_tokens=BLOCK_TOKENS, engine_block_nbytes=ALIGN,
                         world_size=1, model="bench", dtype="bfloat16", kv_layout="bench", hash_algo="sha256",
                         tenant_salt="")
-    config = parse_config({"cpu_bytes_to_use": (rounds + 4) * blocks * ALIGN, "block_size": BLOCK_TOKENS,
-                           "load_policy": "always"})
+    # the default load policy (`auto`): a hit weighs every prefix of what it found against recomputing it
+    config = parse_config({"cpu_bytes_to_use": (rounds + 4) * blocks * ALIGN, "block_size": BLOCK_TOKENS})
     half = SchedulerSide(config, geometry)
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)

@@ -65,10 +65,7 @@ class Lookup:
             return None, False  # the shared tier has not answered yet: vLLM asks again next step
         last = self._last_loadable(request)
         found = sources + [self._shared_name()] * shared if shared else sources
-        tokens = [min((first + i + 1) * bt, last) - max((first + i) * bt, num_computed_tokens)
-                  for i in range(len(found))]
-        while tokens and tokens[-1] <= 0:
-            tokens.pop()
+        tokens = tokens_by_block(first, len(found), bt, num_computed_tokens, last)
         take = self.control.blocks_to_load(request.request_id, found[: len(tokens)], tokens)
         end = min((first + take) * bt, last)
         promised = end - num_computed_tokens
@@ -130,6 +127,22 @@ class Lookup:
         """The first token of the engine block that holds the prompt's last token: never loaded (module doc)."""
         ebs = self.geo.engine_block_size
         return (request.num_tokens - 1) // ebs * ebs
+
+
+def tokens_by_block(first: int, count: int, bt: int, start: int, end: int) -> list[int]:
+    """The tokens each of the `count` kvtier blocks of `bt` tokens from `first` on brings a request that holds
+    `start` tokens and may load up to `end`, as far as the last block that brings any (what the decision weighs).
+    The blocks in between are whole: only the two edges are worked out."""
+
+    def part(i: int) -> int:
+        return min((first + i + 1) * bt, end) - max((first + i) * bt, start)
+
+    n = min(count, max(0, -(-end // bt) - first))  # the blocks that begin before `end`
+    while n and part(n - 1) <= 0:
+        n -= 1
+    if n <= 2:
+        return [part(i) for i in range(n)]
+    return [part(0), *[bt] * (n - 2), part(n - 1)]
 
 
 def lookup_client(config: KVTierConfig, geometry: Geometry) -> SharedStore | None:
