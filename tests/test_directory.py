@@ -662,10 +662,11 @@ def test_auto_sightings_keep_unique_traffic_off_the_disk_and_admit_first_sightin
 def test_runs_planned_in_bulk_plan_what_the_per_block_path_plans(monkeypatch, tiers: str) -> None:
     """The bulk paths (`StorePlanner._run`: a run of new blocks with room, or room its evictions make in one
     walk; `LoadPlanner._read_first`: the leading first-tier hits; `Directory.complete_many`: the completions that
-    only change a state; `StorePlanner._touch_whole`: a whole chain stored again) shortcut the per-block loops:
-    random traffic of a prefix tree, through a host tier that fills (and demotes to a disk tier, or drops what it
-    evicts, or both once the disk is turned off), plans the same steps (ids, slots and indexes included) with them
-    as without them, evicts the same blocks and leaves the same blocks in the same policy order."""
+    only change a state; `StorePlanner._had_whole` and `_touch_whole`: a whole chain stored again) shortcut the
+    per-block loops: random traffic of a prefix tree, through a host tier that fills (and demotes to a disk tier,
+    or drops what it evicts, or both once the disk is turned off), plans the same steps (ids, slots and indexes
+    included) with them as without them, evicts the same blocks and leaves the same blocks in the same policy
+    order."""
     from kvtier.directory.loading import LoadPlanner
     from kvtier.directory.room import Room
     from kvtier.directory.storing import StorePlanner
@@ -706,9 +707,10 @@ def test_runs_planned_in_bulk_plan_what_the_per_block_path_plans(monkeypatch, ti
         m.setattr(LoadPlanner, "_read_first", lambda *args: stats.update(["read_first"]) or 0)
         m.setattr(Directory, "complete_many", lambda d, steps, status: [d.complete(s, status) for s in steps])
         m.setattr(StorePlanner, "_touch_whole", lambda *args: stats.update(["touch_whole"]) or False)
+        m.setattr(StorePlanner, "_had_whole", lambda *args: stats.update(["had_whole"]) or None)
         per_block = replay()
     assert stats["run"] > 50 and stats["read_first"] > 100  # the shortcuts had traffic to shortcut
-    assert stats["touch_whole"] > 100
+    assert stats["touch_whole"] > 100 and stats["had_whole"] > 100
     assert sum(len(chains) for chains in bulk[0][2::4]) > 2000  # stores, many of them evicting
     assert (found["victims"] > 20) == (tiers != "host+disk")  # runs that evicted in one walk, where nothing demotes
     assert bulk == per_block

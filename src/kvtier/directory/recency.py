@@ -7,6 +7,7 @@ bounded however many distinct blocks the traffic brings.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Generic, TypeVar
 
 K = TypeVar("K")
@@ -34,6 +35,10 @@ class Recency(Generic[K, V]):
 
     def clear(self) -> None:
         self._items.clear()
+
+    def isdisjoint(self, keys: Iterable[K]) -> bool:
+        """None of `keys` is here (one pass in C)."""
+        return self._items.keys().isdisjoint(keys)
 
     def __contains__(self, key: object) -> bool:
         return key in self._items

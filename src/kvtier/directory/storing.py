@@ -13,6 +13,7 @@ room for (free, or made by evictions found in one walk), with nothing written th
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from kvtier.directory.blocks import Block, Copy, CopyState
 from kvtier.directory.plan import CALLER, Op, Plan, Step
@@ -43,6 +44,9 @@ class StorePlanner:
             self.stats.stores_dropped["tier_off"] += sum(1 for key in keys if key not in table.blocks)
             return plan
         shared = self.shared if self.shared is not None and self.shared.name not in disabled else None
+        if shared is None and (whole := self._had_whole(keys)) is not None:
+            self._touch_whole(whole)
+            return plan
         through = [t for t in table.tiers[1:] if t.spec.write_through and t.name not in disabled]
         chain_blocks: list[Block] = []
         new: set[bytes] = set()
@@ -84,6 +88,18 @@ class StorePlanner:
         first.policy.insert_many([block.key for block in reversed(run)], priority)  # the leaf end of the chain
         self._order_stored(chain_blocks, new, promoted)
         return plan
+
+    def _had_whole(self, keys: Sequence[bytes]) -> list[Block] | None:
+        """The chain's blocks, each seen again, if the directory has every one and no load read any from a slower
+        tier: a hit's request ending, which leaves nothing to store or promote, and no room to make (so no block to
+        hold while it is made). None otherwise: the per-block loop decides."""
+        found = list(map(self.table.blocks.get, keys))
+        if None in found or not self.read_below.isdisjoint(keys):
+            return None
+        whole = cast(list[Block], found)
+        for block in whole:
+            block.seen += 1
+        return whole
 
     def _existing(self, block: Block, index: int, plan: Plan) -> bool:
         """A block of the chain the directory has: seen again, held while room is made for the new ones, and
