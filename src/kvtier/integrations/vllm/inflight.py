@@ -39,6 +39,7 @@ class InFlight:
         self.stores = 0  # store plans shipped and not done
         self._pending: dict[int, Pending] = {}  # plan id (its first step id) -> pending plan
         self._plan_of_step: dict[int, int] = {}
+        self._gathering = 0  # steps whose ranks' reports came in several messages, not all of them yet
 
     def ship(self, plan: Plan, kind: Kind, request_id: str = "") -> Pending | None:
         """Wait for the workers to report each of the plan's steps (by the id the directory gave it). None: the
@@ -64,6 +65,8 @@ class InFlight:
         completes at once; one whose ranks report over several messages is counted until they all have. The
         steps complete in the order reported, in batches of one status (`Directory.complete_many`), each batch
         before the end of a plan."""
+        if not statuses and not self._gathering and min(reports.values(), default=0) >= self.world_size:
+            return self._all_ok(reports)
         done: list[Pending] = []
         batch: list[Step] = []
         batch_status = ok = Status.OK
@@ -75,10 +78,12 @@ class InFlight:
             pending = plans[plan_id]
             status = statuses.get(step_id, ok)
             if n < world_size or step_id in pending.reports:  # a quorum gathered over several messages
+                self._gathering += step_id not in pending.reports
                 pending.reports[step_id] += n
                 status = pending.statuses[step_id] = worst(pending.statuses.get(step_id, ok), status)
                 if pending.reports[step_id] < world_size:
                     continue  # a block is only whole once every rank has its shard: the worst status counts
+                self._gathering -= 1
             step = pending.steps.pop(step_id)
             if status is not batch_status:
                 self.directory.complete_many(batch, batch_status)
@@ -88,14 +93,38 @@ class InFlight:
             if not pending.steps:
                 self.directory.complete_many(batch, batch_status)
                 batch = []
-                del self._pending[plan_id]
-                if pending.kind == "load":
-                    self.directory.finish_load(pending.plan)
-                elif pending.kind == "store":
-                    self.stores -= 1
+                self._done(plan_id, pending)
                 done.append(pending)
         self.directory.complete_many(batch, batch_status)
         return done
+
+    def _all_ok(self, reports: Mapping[int, int]) -> list[Pending]:
+        """`report` where every step was reported OK by every rank, and no step's quorum is being gathered: each
+        completes at once, in the order reported, a batch ending with each plan."""
+        done: list[Pending] = []
+        batch: list[Step] = []
+        plan_of_step, plans = self._plan_of_step, self._pending
+        for step_id in reports:
+            plan_id = plan_of_step.pop(step_id, None)
+            if plan_id is None:
+                continue
+            pending = plans[plan_id]
+            batch.append(pending.steps.pop(step_id))
+            if not pending.steps:
+                self.directory.complete_many(batch, Status.OK)
+                batch = []
+                self._done(plan_id, pending)
+                done.append(pending)
+        self.directory.complete_many(batch, Status.OK)
+        return done
+
+    def _done(self, plan_id: int, pending: Pending) -> None:
+        """The last step of a plan completed."""
+        del self._pending[plan_id]
+        if pending.kind == "load":
+            self.directory.finish_load(pending.plan)
+        elif pending.kind == "store":
+            self.stores -= 1
 
     def busy(self) -> bool:
         """Stores or deletes not yet completed (loads end with their requests)."""
