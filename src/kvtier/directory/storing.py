@@ -93,7 +93,10 @@ class StorePlanner:
         """The chain's blocks, each seen again, if the directory has every one and no load read any from a slower
         tier: a hit's request ending, which leaves nothing to store or promote, and no room to make (so no block to
         hold while it is made). None otherwise: the per-block loop decides."""
-        found = list(map(self.table.blocks.get, keys))
+        blocks = self.table.blocks
+        if not keys or keys[-1] not in blocks:  # a chain with a new block: most stores, decided at once
+            return None
+        found = list(map(blocks.get, keys))
         if None in found or not self.read_below.isdisjoint(keys):
             return None
         whole = cast(list[Block], found)
