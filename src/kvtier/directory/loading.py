@@ -89,5 +89,8 @@ class LoadPlanner:
 
     def finish(self, plan: Plan) -> None:
         """See `Directory.finish_load`."""
-        unstaged = self.shared.name if self.shared is not None and not self.stage_loads else None
+        if self.shared is None or self.stage_loads:
+            self.table.unpin(plan.keys)
+            return
+        unstaged = self.shared.name  # read straight into the caller: never pinned (no block of ours)
         self.table.unpin([key for key, source in zip(plan.keys, plan.sources) if source != unstaged])
