@@ -53,8 +53,7 @@ class InFlight:
         pending = self._pending[plan_id] = Pending(plan, steps, kind, request_id)
         if kind == "load":
             pending.queued = Counter({tier: n * self.block_nbytes for tier, n in Counter(plan.sources).items()})
-        for step_id in steps:
-            self._plan_of_step[step_id] = plan_id
+        self._plan_of_step.update(dict.fromkeys(steps, plan_id))
         if kind == "store":
             self.stores += 1
         return pending
