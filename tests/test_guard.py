@@ -224,8 +224,9 @@ def test_the_decision_weighs_every_prefix_at_once_as_a_loop_over_them_would(seed
         if rng.random() < 0.2:  # a load in flight for long: the tier is behind
             decider.shipped(object(), {tier: block}, now=1 - rng.uniform(0, 0.5))
     sources: list[str] = []
-    while len(sources) < rng.choice([8, 3000]):
-        sources += [rng.choice(tiers)] * rng.randint(1, rng.choice([4, 400]))
+    length, run = rng.choice([(8, 4), (3000, 400)])  # a short prompt and a long one
+    while len(sources) < length:
+        sources += [rng.choice(tiers)] * rng.randint(1, run)
     tokens = [bt] * len(sources)
     tokens[0] = rng.randint(1, bt)
     tokens[-1] = rng.randint(1, bt)
