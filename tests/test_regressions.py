@@ -708,8 +708,7 @@ def test_a_requests_blocks_and_tokens_worked_out_in_bulk_are_what_each_block_giv
     import random
     from collections import Counter
 
-    from kvtier.integrations.vllm.lookup import tokens_by_block
-    from kvtier.integrations.vllm.scheduler import tokens_served
+    from kvtier.integrations.vllm.tokens import tokens_by_block, tokens_served
 
     geo = Geometry(engine_block_size=16, block_tokens=16 * per, engine_block_nbytes=P, world_size=1, model="m",
                    dtype="bf16", kv_layout="x", hash_algo="sha256", tenant_salt="")

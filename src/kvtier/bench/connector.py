@@ -33,7 +33,7 @@ from typing import Any
 from kvtier.bench.scheduler import BLOCK_TOKENS, PROMPTS, WarmDirectory, paired, round_count, vllm_hashing
 from kvtier.config import parse_config
 from kvtier.layout import ALIGN
-from kvtier.timing import fresh_keys
+from kvtier.timing import fresh_keys, timed
 
 
 def hooks(n_tokens: int, rounds: int, tick: Callable[[], None] = lambda: None) -> dict:
@@ -130,12 +130,19 @@ def sent(n_tokens: int, rounds: int, tick: Callable[[], None] = lambda: None) ->
     hashing = vllm_hashing(n_tokens)
     figures: dict = {"tokens": n_tokens, "block_tokens": BLOCK_TOKENS, "blocks": blocks}
     for name, message in messages.items():
-        figures.update(paired(f"{name}_sent", partial(_timed, pickle.dumps, message, pickle.HIGHEST_PROTOCOL),
-                              hashing, rounds, tick))
-        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
-        received = [_timed(pickle.loads, data) for _ in range(rounds)]
-        figures[f"{name}_received_ms"] = round(statistics.median(received) * 1e3, 2)
-        figures[f"{name}_sent_bytes"] = len(data)
+        figures.update(_sent_and_received(name, message, hashing, rounds, tick))
+    return figures
+
+
+def _sent_and_received(name: str, message: object, hashing: Callable[[], float], rounds: int,
+                       tick: Callable[[], None]) -> dict:
+    """`message` pickled beside vLLM's hashing, and unpickled: `sent`'s figures for one job."""
+    dump = partial(pickle.dumps, message, pickle.HIGHEST_PROTOCOL)
+    figures = paired(f"{name}_sent", lambda: timed(dump)[0], hashing, rounds, tick)
+    data = dump()
+    received = [timed(partial(pickle.loads, data))[0] for _ in range(rounds)]
+    figures[f"{name}_received_ms"] = round(statistics.median(received) * 1e3, 2)
+    figures[f"{name}_sent_bytes"] = len(data)
     return figures
 
 
@@ -156,8 +163,3 @@ def connector_rows(quick: bool = False, tick: Callable[[], None] = lambda: None)
         if was_enabled:
             gc.enable()
 
-
-def _timed(call: Callable[..., object], *args: object) -> float:
-    start = time.perf_counter()
-    call(*args)
-    return time.perf_counter() - start

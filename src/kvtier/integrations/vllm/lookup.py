@@ -25,6 +25,7 @@ from kvtier.directory import Directory
 from kvtier.integrations.vllm.control import SchedulerControl
 from kvtier.integrations.vllm.requests import Promise, RequestState
 from kvtier.integrations.vllm.setup import Geometry
+from kvtier.integrations.vllm.tokens import tokens_by_block
 from kvtier.keys import chain_route
 from kvtier.sizing import route_blocks, shared_tier
 from kvtier.stores.base import SharedStore, TierKind
@@ -127,22 +128,6 @@ class Lookup:
         """The first token of the engine block that holds the prompt's last token: never loaded (module doc)."""
         ebs = self.geo.engine_block_size
         return (request.num_tokens - 1) // ebs * ebs
-
-
-def tokens_by_block(first: int, count: int, bt: int, start: int, end: int) -> list[int]:
-    """The tokens each of the `count` kvtier blocks of `bt` tokens from `first` on brings a request that holds
-    `start` tokens and may load up to `end`, as far as the last block that brings any (what the decision weighs).
-    The blocks in between are whole: only the two edges are worked out."""
-
-    def part(i: int) -> int:
-        return min((first + i + 1) * bt, end) - max((first + i) * bt, start)
-
-    n = min(count, max(0, -(-end // bt) - first))  # the blocks that begin before `end`
-    while n and part(n - 1) <= 0:
-        n -= 1
-    if n <= 2:
-        return [part(i) for i in range(n)]
-    return [part(0), *[bt] * (n - 2), part(n - 1)]
 
 
 def lookup_client(config: KVTierConfig, geometry: Geometry) -> SharedStore | None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import Counter
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier.config import KVTierConfig
@@ -33,6 +32,7 @@ from kvtier.integrations.vllm.recovery import recover_ranks
 from kvtier.integrations.vllm.requests import RequestState
 from kvtier.integrations.vllm.scheduler_stats import SchedulerStats
 from kvtier.integrations.vllm.setup import Geometry
+from kvtier.integrations.vllm.tokens import tokens_served
 from kvtier.keys import chain_route, precomputed_keys
 from kvtier.sizing import route_blocks, shared_spec, tier_specs
 
@@ -286,19 +286,3 @@ class SchedulerSide:
             self._ship(Plan(chains=[garbage]), "delete")
             self._deletes.extend(garbage)
 
-
-def tokens_served(sources: Sequence[str], first: int, block_tokens: int, local: int, end: int) -> Counter:
-    """The tokens each source serves a request: `sources[i]` serves kvtier block `first + i`, its tokens from
-    `local` (what vLLM holds) up to `end`. The blocks in between are whole and counted by source at once; only
-    the edges are worked out block by block."""
-    n, bt = len(sources), block_tokens
-
-    def part(i: int) -> int:
-        return max(0, min((first + i + 1) * bt, end) - max((first + i) * bt, local))
-
-    lo = min(n, max(0, -(-local // bt) - first))  # blocks from `lo` to `hi` are whole
-    hi = max(lo, min(n, end // bt - first))
-    served = Counter({source: count * bt for source, count in Counter(sources[lo:hi]).items()})
-    for i in [*range(lo), *range(hi, n)]:
-        served[sources[i]] += part(i)
-    return served
